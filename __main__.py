@@ -1,0 +1,3 @@
+from bitrl.engine.cli import main
+
+raise SystemExit(main())
