@@ -1,0 +1,20 @@
+"""bitrl.quant: number formats (FP8, MXFP8, MXFP4, NVFP4), quantized tensors and linear layers, model
+quantization, error analysis and corrections."""
+
+from .formats import E2M1, E4M3, E5M2, E8M0, FORMATS, ElementFormat, ScaledFormat, get_format
+from .quantize import fake_quantize, quantize
+from .tensor import QuantizedTensor
+
+__all__ = [
+    "E2M1",
+    "E4M3",
+    "E5M2",
+    "E8M0",
+    "FORMATS",
+    "ElementFormat",
+    "QuantizedTensor",
+    "ScaledFormat",
+    "fake_quantize",
+    "get_format",
+    "quantize",
+]

@@ -1,0 +1,230 @@
+"""``quantize(x, fmt, ...)``: argument checking, the torch reference path, and dispatch to the Triton
+kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import reference as ref
+from .formats import E8M0_DTYPE, ScaledFormat, get_format
+from .tensor import QuantizedTensor
+
+__all__ = ["QuantSpec", "fake_quantize", "quantize", "resolve_spec"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """A fully resolved quantization recipe (format + block + scale mode + rounding)."""
+
+    fmt: ScaledFormat
+    granularity: str
+    block_size: int | tuple[int, int] | None
+    scale_mode: str
+    rounding: str
+
+    def block(self, rows: int, cols: int) -> tuple[int, int]:
+        """Block shape ``(bh, bw)`` for a ``(rows, cols)`` matrix."""
+        if self.granularity == "tensor":
+            return (rows, cols)
+        if self.granularity == "row":
+            return (1, cols)
+        bs = self.block_size
+        return (1, bs) if isinstance(bs, int) else (bs[0], bs[1])
+
+
+def resolve_spec(
+    fmt, *, block_size=None, scale_mode="floor", granularity=None, rounding="nearest"
+) -> QuantSpec:
+    """Check the options against the format; every error is a ValueError naming the argument."""
+    f = get_format(fmt)
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if scale_mode not in ("floor", "rceil"):
+        raise ValueError(f"scale_mode must be 'floor' or 'rceil', got {scale_mode!r}")
+    if block_size is not None:
+        ok_int = isinstance(block_size, int) and not isinstance(block_size, bool) and block_size > 0
+        ok_tuple = (
+            isinstance(block_size, tuple)
+            and len(block_size) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block_size)
+        )
+        if not (ok_int or ok_tuple):
+            raise ValueError(f"block_size must be a positive int or a (rows, cols) pair, got {block_size!r}")
+    if f.scale_kind == "fp32":  # FP8 with an FP32 amax scale
+        if granularity is None:
+            granularity = "block" if block_size is not None else "tensor"
+        if granularity not in ("tensor", "row", "block"):
+            raise ValueError(
+                f"granularity must be 'tensor', 'row' or 'block' for {f.name}, got {granularity!r}"
+            )
+        if granularity == "block" and block_size is None:
+            block_size = 128
+        if granularity != "block" and block_size is not None:
+            raise ValueError(f"block_size is only meaningful with granularity='block', got {granularity!r}")
+        return QuantSpec(f, granularity, block_size, "amax", rounding)
+    if granularity not in (None, "block"):
+        raise ValueError(f"granularity must be None or 'block' for {f.name}, got {granularity!r}")
+    bs = f.block_size if block_size is None else block_size
+    if not isinstance(bs, int):
+        raise ValueError(f"block_size must be an int (blocks of 1 x block_size) for {f.name}, got {bs!r}")
+    if f.packed and bs % 2:
+        raise ValueError(f"block_size must be even for the 4-bit format {f.name}, got {bs}")
+    mode = scale_mode if f.is_mx else "amax"
+    if not f.is_mx and scale_mode != "floor":
+        raise ValueError(
+            f"scale_mode applies to MX formats only; {f.name} takes the default, got {scale_mode!r}"
+        )
+    return QuantSpec(f, "block", bs, mode, rounding)
+
+
+def check_input(x, *, name: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32/float16/bfloat16/float64, got dtype {x.dtype}")
+    if x.dim() == 0 or x.numel() == 0:
+        raise ValueError(
+            f"{name} must have at least one dimension and one element, got shape {tuple(x.shape)}"
+        )
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or inf; quantization needs finite input")
+
+
+def _uniforms(shape, seed, device) -> torch.Tensor:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(int(seed))
+    return torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | ScaledFormat,
+    *,
+    block_size: int | tuple[int, int] | None = None,
+    scale_mode: str = "floor",
+    granularity: str | None = None,
+    rounding: str = "nearest",
+    seed: int | None = None,
+    backend: str = "auto",
+    check_finite: bool = True,
+) -> QuantizedTensor:
+    """Quantize ``x`` along its last dimension.
+
+    Args:
+        x: float tensor (any shape with >= 1 dim); leading dims are flattened into rows.
+        fmt: "fp8_e4m3", "fp8_e5m2", "mxfp8", "mxfp4" or "nvfp4" (or a :class:`ScaledFormat`).
+        block_size: MX/NV block length (default 32 / 16). FP8: an int ``b`` means 1 x b blocks (activations),
+            a pair ``(bh, bw)`` 2-D blocks (weights, e.g. (128, 128)); implies granularity "block".
+        scale_mode: MX only: "floor" (OCP: ``2**(floor(log2 amax) - emax_elem)``, elements saturate) or
+        "rceil"
+            (``2**ceil(log2(amax / max_elem))``).
+        granularity: FP8 only: "tensor" (default), "row" or "block". Scale = amax / max_elem, 1 where amax
+        is 0.
+        rounding: "nearest" (round half to even, saturating) or "stochastic" (unbiased, uniforms from
+        ``seed``).
+        seed: seed of the stochastic-rounding generator (None: fresh entropy).
+        backend: "auto" (Triton on CUDA, torch otherwise), "torch" or "triton".
+        check_finite: raise ValueError on NaN/inf (one extra read of ``x``).
+
+    Returns:
+        QuantizedTensor; ``.dequantize()`` gives the float32 values.
+    """
+    spec = resolve_spec(
+        fmt, block_size=block_size, scale_mode=scale_mode, granularity=granularity, rounding=rounding
+    )
+    if check_finite:
+        check_input(x)
+    else:
+        check_input(x[..., :1].flatten()[:1])  # dtype/shape checks only
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if seed is not None and not isinstance(seed, int):
+        raise ValueError(f"seed must be an int or None, got {seed!r}")
+    x2 = x.reshape(1, -1) if x.dim() == 1 else x.reshape(-1, x.shape[-1])
+    rows, cols = x2.shape
+    bh, bw = spec.block(rows, cols)
+    kp = -(-cols // bw) * bw
+    noise = _uniforms((rows, kp), seed, x.device) if rounding == "stochastic" else None
+    use_triton = backend == "triton" or (backend == "auto" and x.is_cuda and spec.fmt.scale_kind != "fp32")
+    if use_triton:
+        if bh != 1:
+            raise ValueError(f"block_size: the Triton path supports 1-D blocks only, got {(bh, bw)}")
+        from bitrl.kernels.quantize import quantize_blocks
+
+        data, scale, ts = quantize_blocks(x2, spec, bw, noise)
+    else:
+        data, scale, ts = quantize_reference(x2, spec, (bh, bw), noise)
+    return QuantizedTensor(
+        fmt=spec.fmt,
+        shape=x.shape,
+        data=data,
+        scale=scale,
+        tensor_scale=ts,
+        block=(bh, bw),
+        granularity=spec.granularity,
+        scale_mode=spec.scale_mode,
+        dtype=x.dtype,
+    )
+
+
+def blockify(x2: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, int, int]:
+    """float32 view ``(nbr, bh, nbc, bw)`` of ``x2`` zero-padded to whole blocks; returns (view, rows, kp)."""
+    rows, cols = x2.shape
+    bh, bw = block
+    rp, kp = -(-rows // bh) * bh, -(-cols // bw) * bw
+    x = x2.to(torch.float32)
+    if (rp, kp) != (rows, cols):
+        x = torch.nn.functional.pad(x, (0, kp - cols, 0, rp - rows))
+    return x.reshape(rp // bh, bh, kp // bw, bw), rows, kp
+
+
+def quantize_reference(
+    x2: torch.Tensor, spec: QuantSpec, block: tuple[int, int], noise: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Torch reference: returns (data, scale, tensor_scale) exactly as stored in a QuantizedTensor."""
+    f = spec.fmt
+    elem = f.element
+    xb, rows, kp = blockify(x2, block)
+    bh, bw = block
+    amax = xb.abs().amax(dim=(1, 3))  # (nbr, nbc)
+    ts = None
+    if f.scale_kind == "e8m0":
+        e = ref.e8m0_exponent(amax, elem, spec.scale_mode)
+        inv = ref.exp2i(-e)
+        scaled = xb * inv[:, None, :, None]
+        scale = ref.e8m0_to_storage(e)
+    elif f.scale_kind == "e4m3":
+        ts = ref.nvfp4_tensor_scale(amax.amax())
+        bs = ref.nvfp4_block_scale(amax, ts)
+        denom = bs * ts
+        safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+        scaled = torch.where(denom[:, None, :, None] > 0, xb / safe[:, None, :, None], torch.zeros_like(xb))
+        scale = bs.to(torch.float8_e4m3fn)
+    else:
+        s = ref.fp8_scale(amax, elem)
+        scaled = xb / s[:, None, :, None]
+        scale = s
+    scaled = scaled.reshape(-1, kp)[:rows]
+    mag = ref.round_to_element(scaled.abs(), elem, spec.rounding, noise)
+    neg = torch.signbit(scaled)
+    if f.packed:
+        data = ref.pack_fp4(ref.encode_element(mag, neg, elem))
+    else:
+        data = torch.where(neg, -mag, mag).to(elem.torch_dtype)
+    return data, scale, ts
+
+
+def fake_quantize(x: torch.Tensor, fmt, **kw) -> torch.Tensor:
+    """``quantize(x, fmt, **kw).dequantize(x.dtype)``: the quantize-dequantize round trip."""
+    return quantize(x, fmt, **kw).dequantize(x.dtype)
+
+
+def e8m0_storage_dtype() -> torch.dtype:
+    return E8M0_DTYPE if E8M0_DTYPE is not None else torch.uint8
