@@ -1,0 +1,585 @@
+"""LM head + log-prob + policy loss in one op, with the gradient computed in the forward pass.
+
+``fused_linear_policy_loss(hidden [B, T, H], weight [V, H], targets [B, T], old_logprobs, advantages, mask)``
+returns ``(loss, metrics)`` exactly like ``policy_loss`` applied to ``fused_logprobs`` but
+
+* never builds the [B*T, V] logits: the batch is processed in chunks of whole sequences (so sequence-level
+  losses such as GSPO/GMPO stay exact), each chunk's logits are formed once, reduced to log-prob/entropy,
+  the loss gradient w.r.t. the log-prob is taken right there, and d hidden / d weight are accumulated
+  (fp32) in the same pass - 3 matmuls per chunk instead of 4 for forward + recomputing backward;
+* the batch-wide parts (rollout corrections, masks, normalisers) come from ``policy_loss.build_plan``, so
+  a chunked result equals the unchunked one.
+
+``FusedLinearGRPOLoss`` is an ``nn.Module`` whose constructor and forward accept the arguments of
+Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (same meaning, same ``(loss, metrics_tuple)`` return), plus
+bitrl's extras (rollout corrections, KL estimator choice, entropy bonus, dual clip, implementation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._common import FLOAT_DTYPES, check_tensor, compute_dtype, resolve_impl
+from .fused_logprobs import (
+    acc_dtype,
+    chunk_logits,
+    default_chunk_size,
+    fused_logprobs,
+    matmul_dtype,
+    mm_acc,
+    row_grad,
+    row_stats,
+    validate_linear_inputs,
+)
+from .policy_loss import (
+    build_plan,
+    evaluate_rows,
+    evaluate_triton,
+    finalize_metrics,
+    make_config,
+    merge_parts,
+    policy_loss,
+    triton_supported,
+)
+
+__all__ = ["fused_linear_policy_loss", "fused_linear_policy_loss_reference", "FusedLinearGRPOLoss"]
+
+
+class FusedLinearPolicyLossFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        targets,
+        inv_t,
+        plan,
+        ignore_index,
+        rows_per_chunk,
+        backend,
+        need_ent,
+        out,
+        need_grad,
+    ):
+        B, T = plan.mask.shape
+        acc = acc_dtype(hidden)
+        mm = matmul_dtype(hidden)
+        w_mm = weight.to(mm)
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        need_grad = bool(need_grad and (need_h or need_w or need_b))
+        valid = targets != ignore_index
+        y = torch.where(valid, targets, torch.zeros_like(targets)).long()
+        use_triton_loss = backend == "triton" and triton_supported(plan) is None
+        dh = torch.empty_like(hidden) if need_grad and need_h else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad and need_w else None
+        db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_grad and need_b else None
+        total = torch.zeros((), dtype=plan.mask.dtype, device=hidden.device)
+        parts_acc = None
+        ent_needed = need_ent
+        for r0 in range(0, B, rows_per_chunk):
+            r1 = min(B, r0 + rows_per_chunk)
+            s, e = r0 * T, r1 * T
+            h = hidden[s:e]
+            z = chunk_logits(h, w_mm, bias, acc)
+            lp, ent, lse, mz = row_stats(backend, z, y[s:e], inv_t[s:e], valid[s:e], ent_needed)
+            lp_rows = lp.view(r1 - r0, T)
+            ent_rows = None if ent is None else ent.view(r1 - r0, T)
+            rows = slice(r0, r1)
+            if use_triton_loss:
+                loss_c, parts, g_lp, g_ent = evaluate_triton(lp_rows, ent_rows, plan, rows)
+            else:
+                with torch.enable_grad():
+                    lp_ = lp_rows.detach().to(plan.mask.dtype).requires_grad_(need_grad)
+                    ent_ = None
+                    if ent_rows is not None:
+                        ent_ = (
+                            ent_rows.detach()
+                            .to(plan.mask.dtype)
+                            .requires_grad_(need_grad and plan.entropy_coef != 0)
+                        )
+                    loss_c, parts = evaluate_rows(lp_, ent_, plan, rows)
+                    g_lp = g_ent = None
+                    if need_grad and loss_c.requires_grad:
+                        leaves = [lp_] + ([ent_] if ent_ is not None and ent_.requires_grad else [])
+                        grads = torch.autograd.grad(loss_c, leaves, allow_unused=True)
+                        g_lp = grads[0]
+                        g_ent = grads[1] if len(grads) > 1 else None
+                loss_c = loss_c.detach()
+            total = total + loss_c
+            parts_acc = merge_parts(parts_acc, parts)
+            if need_grad:
+                vf = valid[s:e].to(acc)
+                g_lp = (
+                    torch.zeros(e - s, dtype=acc, device=hidden.device)
+                    if g_lp is None
+                    else g_lp.reshape(-1).to(acc) * vf
+                )
+                if g_ent is not None and plan.entropy_coef != 0:
+                    g_ent = g_ent.reshape(-1).to(acc) * vf
+                else:
+                    g_ent = None
+                dz = row_grad(backend, z, y[s:e], inv_t[s:e], lse, mz, g_lp, g_ent)
+                if db is not None:
+                    db += dz.sum(0)
+                dzm = dz.to(mm)
+                if dh is not None:
+                    dh[s:e] = (dzm @ w_mm).to(hidden.dtype)
+                if dw is not None:
+                    dw += mm_acc(dzm.t(), h.to(mm), acc)
+                del dz, dzm
+            del z
+        out["parts"] = parts_acc
+        ctx.save_for_backward(
+            dh,
+            None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias.dtype),
+        )
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        dh, dw, db = ctx.saved_tensors
+
+        def sc(g):
+            return None if g is None else g * grad_out.to(g.dtype)
+
+        return sc(dh), sc(dw), sc(db), None, None, None, None, None, None, None, None, None
+
+
+def _flatten_hidden(hidden, B, T):
+    if hidden.dim() == 3:
+        check_tensor("hidden", hidden, shape=(B, T, None), dtypes=FLOAT_DTYPES)
+        return hidden.reshape(B * T, hidden.shape[-1])
+    check_tensor("hidden", hidden, ndim=(2, 3), dtypes=FLOAT_DTYPES)
+    if hidden.shape[0] != B * T:
+        raise ValueError(f"hidden: expected [{B}, {T}, H] or [{B * T}, H], got {list(hidden.shape)}")
+    return hidden
+
+
+def fused_linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    ignore_index: int = -100,
+    loss_type: str = "grpo",
+    loss_agg_mode: str = "token-mean",
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    clip_ratio_c: float | None = None,
+    delta: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_type: str = "k3",
+    kl_coef: float = 0.0,
+    kl_is_correction: bool = False,
+    entropy_coef: float = 0.0,
+    compute_entropy: bool = False,
+    rollout_logprobs: torch.Tensor | None = None,
+    correction: str | Sequence[str] = "none",
+    is_weights: torch.Tensor | None = None,
+    global_token_count: float | torch.Tensor | None = None,
+    global_seq_count: float | torch.Tensor | None = None,
+    loss_scale: float | None = None,
+    nonfinite: str = "raise",
+    chunk_size: int | None = None,
+    check_finite: bool = True,
+    impl: str | None = None,
+    **kwargs,
+):
+    """``policy_loss(fused_logprobs(hidden, weight, targets), ...)`` without logits and with one matmul fewer.
+
+    Shapes and dtypes:
+        hidden: [B, T, H] (or [B*T, H]) fp32/bf16/fp16, the last hidden states aligned with ``targets``.
+        weight: [V, H] LM head (same dtype/device); bias: optional [V].
+        targets: [B, T] int64 token ids (``ignore_index`` entries are excluded from the loss).
+        old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, is_weights: as in ``policy_loss``
+            (mask defaults to ``targets != ignore_index``; it is and-ed with that).
+        temperature: float or [B, T] / [B*T] per-token tensor.
+
+    All loss options are those of ``policy_loss``. ``compute_entropy`` adds the entropy metric (it is
+    computed anyway when ``entropy_coef != 0``). ``chunk_size`` is the number of *sequences* per chunk
+    (default: about 64 MiB of fp32 logits per chunk). Returns ``(loss, metrics)`` like ``policy_loss``.
+    """
+    check_tensor("targets", targets, ndim=2, dtypes=(torch.int64, torch.int32))
+    B, T = targets.shape
+    h2 = _flatten_hidden(hidden, B, T)
+    y = targets.reshape(-1)
+    if isinstance(temperature, torch.Tensor) and temperature.dim() == 2:
+        check_tensor("temperature", temperature, shape=(B, T), dtypes=FLOAT_DTYPES, device=h2.device)
+        temperature = temperature.reshape(-1)
+    inv_t = validate_linear_inputs(h2, weight, y, bias, temperature, check_finite=check_finite)
+    tmask = targets != ignore_index
+    if mask is None:
+        mask = tmask
+    else:
+        check_tensor("mask", mask, shape=(B, T), device=h2.device)
+        mask = (mask != 0) & tmask
+    impl = resolve_impl(impl, h2.device, op="fused_linear_policy_loss")
+    if impl == "reference":
+        return fused_linear_policy_loss_reference(
+            hidden,
+            weight,
+            targets,
+            old_logprobs,
+            advantages,
+            mask,
+            bias=bias,
+            temperature=temperature,
+            ignore_index=ignore_index,
+            loss_type=loss_type,
+            loss_agg_mode=loss_agg_mode,
+            eps_low=eps_low,
+            eps_high=eps_high,
+            clip_ratio_c=clip_ratio_c,
+            delta=delta,
+            ref_logprobs=ref_logprobs,
+            kl_type=kl_type,
+            kl_coef=kl_coef,
+            kl_is_correction=kl_is_correction,
+            entropy_coef=entropy_coef,
+            compute_entropy=compute_entropy,
+            rollout_logprobs=rollout_logprobs,
+            correction=correction,
+            is_weights=is_weights,
+            global_token_count=global_token_count,
+            global_seq_count=global_seq_count,
+            loss_scale=loss_scale,
+            nonfinite=nonfinite,
+            **kwargs,
+        )
+    cfg = make_config(
+        eps_low=eps_low,
+        eps_high=eps_high,
+        clip_ratio_c=clip_ratio_c,
+        delta=delta,
+        global_token_count=global_token_count,
+        global_seq_count=global_seq_count,
+        loss_scale=loss_scale,
+        **kwargs,
+    )
+    dtype = compute_dtype(h2, old_logprobs, advantages)
+    plan = build_plan(
+        old_logprobs,
+        advantages,
+        mask,
+        B=B,
+        T=T,
+        device=h2.device,
+        dtype=dtype,
+        loss_type=loss_type,
+        loss_agg_mode=loss_agg_mode,
+        cfg=cfg,
+        ref_logprobs=ref_logprobs,
+        rollout_logprobs=rollout_logprobs,
+        correction=correction,
+        kl_type=kl_type,
+        kl_coef=kl_coef,
+        entropy_coef=entropy_coef,
+        kl_is_correction=kl_is_correction,
+        nonfinite=nonfinite,
+        is_weights=is_weights,
+    )
+    if (
+        old_logprobs is None
+        and rollout_logprobs is not None
+        and correction not in ("none", ["none"], ("none",))
+    ):
+        raise ValueError("old_logprobs: required for a rollout correction in fused_linear_policy_loss")
+    if chunk_size is None:
+        rows = max(1, default_chunk_size(weight.shape[0]) // max(T, 1))
+    else:
+        rows = int(chunk_size)
+        if rows <= 0:
+            raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
+    need_ent = bool(compute_entropy or entropy_coef)
+    out: dict = {}
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))
+    loss = FusedLinearPolicyLossFunction.apply(
+        h2, weight, bias, y, inv_t, plan, int(ignore_index), rows, impl, need_ent, out, need_grad
+    )
+    return loss, finalize_metrics(out["parts"], plan, has_entropy=need_ent)
+
+
+def fused_linear_policy_loss_reference(
+    hidden,
+    weight,
+    targets,
+    old_logprobs,
+    advantages,
+    mask=None,
+    *,
+    bias=None,
+    temperature=1.0,
+    ignore_index=-100,
+    compute_entropy=False,
+    entropy_coef=0.0,
+    **kwargs,
+):
+    """The unfused path: full logits -> log_softmax -> gather -> ``policy_loss`` (impl="reference")."""
+    from .fused_logprobs import fused_logprobs_reference
+
+    B, T = targets.shape
+    h2 = hidden.reshape(B * T, hidden.shape[-1])
+    need_ent = bool(compute_entropy or entropy_coef)
+    lp, ent = fused_logprobs_reference(
+        h2,
+        weight,
+        targets.reshape(-1),
+        temperature=temperature,
+        bias=bias,
+        ignore_index=ignore_index,
+        return_entropy=need_ent,
+    )
+    tmask = targets != ignore_index
+    mask = tmask if mask is None else (mask != 0) & tmask
+    kwargs.pop("impl", None)
+    kwargs.pop("chunk_size", None)
+    kwargs.pop("check_finite", None)
+    return policy_loss(
+        lp.view(B, T),
+        old_logprobs,
+        advantages,
+        mask,
+        entropy=None if ent is None else ent.view(B, T),
+        entropy_coef=entropy_coef,
+        impl="reference",
+        **kwargs,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Liger-compatible module
+# ----------------------------------------------------------------------------------------------------------
+
+# Liger loss_type -> (bitrl loss_type, aggregation)
+_LIGER_LOSS_TYPES = {
+    "grpo": ("grpo", "seq-mean-token-mean"),
+    "bnpo": ("grpo", "token-mean"),
+    "dr_grpo": ("grpo", "seq-mean-token-sum-norm"),
+    "dapo": ("grpo", "token-mean"),
+    "cispo": ("cispo", "token-mean"),
+    "sapo": ("sapo", "seq-mean-token-mean"),
+    "luspo": ("grpo", "seq-len-weighted"),
+    "vespo": ("vespo", "token-mean"),
+}
+
+
+def _dapo_normalizer(mask: torch.Tensor, num_items_in_batch):
+    """Tokens per process for dapo/cispo/vespo: num_items_in_batch / world, else all-reduced count / world."""
+    world = 1
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    if num_items_in_batch is not None:
+        n = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=mask.device)
+        return (n / world).clamp(min=1.0)
+    n = mask.to(torch.float32).sum()
+    if world > 1:
+        n = n.clone()
+        dist.all_reduce(n)
+    return (n / world).clamp(min=1.0)
+
+
+class FusedLinearGRPOLoss(torch.nn.Module):
+    """Drop-in replacement for Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (a superset).
+
+    Constructor arguments with Liger's meaning: beta (KL coefficient, k3 estimator), compiled (accepted,
+    unused: nothing here needs torch.compile), use_ref_model, chunk_size (sequences per chunk; Liger's
+    default of 1 is honoured only if given explicitly, otherwise a memory budget picks it), epsilon_low,
+    epsilon_high, loss_type (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo),
+    max_completion_length (dr_grpo), importance_sampling_level ("token" or "sequence" = GSPO),
+    sapo_temperature_pos/neg, temperature, delta, use_bias_correction_kl, vespo_k_pos/lambda_pos/k_neg/
+    lambda_neg. bitrl extras: clip_ratio_c (dual clip), kl_type, entropy_coef, correction (+ its keyword
+    parameters via ``correction_kwargs``), impl.
+
+    ``forward(_input [B, T, H], lin_weight [V, H], selected_token_ids [B, T], attention_mask [B, T],
+    advantages [B], bias=None, ref_per_token_logps=None, old_per_token_logps=None, ref_input=None,
+    ref_weight=None, ref_bias=None, vllm_is_ratio=None, num_items_in_batch=None, rollout_logprobs=None)``
+    returns ``(loss, (kl_mean, clip_ratio))`` - ``kl_mean`` only when beta != 0, as in Liger. The full
+    metrics dict of the last call is kept in ``self.last_metrics``.
+    """
+
+    def __init__(
+        self,
+        beta: float = 0.04,
+        compiled: bool = True,
+        use_ref_model: bool = True,
+        chunk_size: int | None = None,
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        loss_type: str = "dapo",
+        max_completion_length: int | None = None,
+        importance_sampling_level: str = "token",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        temperature: float = 1.0,
+        delta: float | None = None,
+        use_bias_correction_kl: bool = False,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        *,
+        clip_ratio_c: float | None = None,
+        kl_type: str = "k3",
+        entropy_coef: float = 0.0,
+        correction: str | Sequence[str] = "none",
+        correction_kwargs: dict | None = None,
+        impl: str | None = None,
+    ):
+        super().__init__()
+        if loss_type not in _LIGER_LOSS_TYPES:
+            raise ValueError(f"loss_type: unknown {loss_type!r}; choose one of {sorted(_LIGER_LOSS_TYPES)}")
+        if importance_sampling_level not in ("token", "sequence"):
+            raise ValueError(
+                "importance_sampling_level: expected 'token' or 'sequence', "
+                f"got {importance_sampling_level!r}"
+            )
+        if importance_sampling_level == "sequence" and loss_type in ("cispo", "sapo", "vespo"):
+            raise ValueError(
+                f"importance_sampling_level: 'sequence' is not supported for loss_type={loss_type!r}"
+            )
+        if loss_type == "dr_grpo" and max_completion_length is None:
+            raise ValueError("max_completion_length: required for loss_type='dr_grpo'")
+        if sapo_temperature_pos <= 0:
+            raise ValueError(f"sapo_temperature_pos: must be positive, got {sapo_temperature_pos}")
+        if sapo_temperature_neg <= 0:
+            raise ValueError(f"sapo_temperature_neg: must be positive, got {sapo_temperature_neg}")
+        if delta is not None and delta <= 0:
+            raise ValueError(f"delta: must be positive, got {delta}")
+        if chunk_size is not None and chunk_size <= 0:
+            raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
+        self.beta = beta
+        self.compiled = compiled
+        self.use_ref_model = use_ref_model
+        self.chunk_size = chunk_size
+        self.epsilon_low = epsilon_low
+        self.epsilon_high = epsilon_high
+        self.loss_type = loss_type
+        self.max_completion_length = max_completion_length
+        self.importance_sampling_level = importance_sampling_level
+        self.sapo_temperature_pos = sapo_temperature_pos
+        self.sapo_temperature_neg = sapo_temperature_neg
+        self.temperature = temperature
+        self.delta = delta
+        self.use_bias_correction_kl = use_bias_correction_kl
+        self.vespo_k_pos = vespo_k_pos
+        self.vespo_lambda_pos = vespo_lambda_pos
+        self.vespo_k_neg = vespo_k_neg
+        self.vespo_lambda_neg = vespo_lambda_neg
+        self.clip_ratio_c = clip_ratio_c
+        self.kl_type = kl_type
+        self.entropy_coef = entropy_coef
+        self.correction = correction
+        self.correction_kwargs = dict(correction_kwargs or {})
+        self.impl = impl
+        self.last_metrics: dict[str, torch.Tensor] = {}
+
+    def forward(
+        self,
+        _input,
+        lin_weight,
+        selected_token_ids,
+        attention_mask,
+        advantages,
+        bias=None,
+        ref_per_token_logps=None,
+        old_per_token_logps=None,
+        ref_input=None,
+        ref_weight=None,
+        ref_bias=None,
+        vllm_is_ratio=None,
+        num_items_in_batch=None,
+        rollout_logprobs=None,
+    ):
+        check_tensor("selected_token_ids", selected_token_ids, ndim=2, dtypes=(torch.int64, torch.int32))
+        B, T = selected_token_ids.shape
+        check_tensor("attention_mask", attention_mask, shape=(B, T), device=selected_token_ids.device)
+        check_tensor("advantages", advantages, ndim=(1, 2), dtypes=FLOAT_DTYPES)
+        loss_type, agg = _LIGER_LOSS_TYPES[self.loss_type]
+        if self.importance_sampling_level == "sequence":
+            loss_type = "gspo"
+        ref = None
+        if self.use_ref_model:
+            if ref_per_token_logps is not None:
+                ref = ref_per_token_logps
+            elif ref_input is not None:
+                if ref_weight is None:
+                    raise ValueError("ref_weight: required with ref_input")
+                with torch.no_grad():
+                    ref, _ = fused_logprobs(
+                        ref_input.reshape(B * T, ref_input.shape[-1]),
+                        ref_weight,
+                        selected_token_ids.reshape(-1),
+                        temperature=self.temperature,
+                        bias=ref_bias,
+                        return_entropy=False,
+                        impl=self.impl,
+                    )
+                ref = ref.view(B, T)
+            elif self.beta != 0.0:
+                raise ValueError(
+                    "ref_per_token_logps: use_ref_model=True needs ref_per_token_logps or ref_input"
+                )
+        kw = dict(self.correction_kwargs)
+        global_token_count = None
+        loss_scale = None
+        if self.loss_type in ("dapo", "cispo", "vespo"):
+            global_token_count = _dapo_normalizer(attention_mask, num_items_in_batch)
+        elif self.loss_type == "dr_grpo":
+            loss_scale = float(B * self.max_completion_length)
+        if self.loss_type == "cispo":
+            kw["cispo_clip_max"] = self.epsilon_high
+        loss, metrics = fused_linear_policy_loss(
+            _input,
+            lin_weight,
+            selected_token_ids,
+            old_per_token_logps,
+            advantages,
+            attention_mask,
+            bias=bias,
+            temperature=self.temperature,
+            loss_type=loss_type,
+            loss_agg_mode=agg,
+            eps_low=self.epsilon_low,
+            eps_high=self.epsilon_high,
+            clip_ratio_c=self.clip_ratio_c,
+            delta=self.delta,
+            ref_logprobs=ref,
+            kl_type=self.kl_type,
+            kl_coef=self.beta if ref is not None else 0.0,
+            kl_is_correction=self.use_bias_correction_kl,
+            entropy_coef=self.entropy_coef,
+            rollout_logprobs=rollout_logprobs,
+            correction=self.correction,
+            is_weights=vllm_is_ratio,
+            global_token_count=global_token_count,
+            loss_scale=loss_scale,
+            chunk_size=self.chunk_size,
+            impl=self.impl,
+            sapo_tau_pos=self.sapo_temperature_pos,
+            sapo_tau_neg=self.sapo_temperature_neg,
+            vespo_k_pos=self.vespo_k_pos,
+            vespo_lambda_pos=self.vespo_lambda_pos,
+            vespo_k_neg=self.vespo_k_neg,
+            vespo_lambda_neg=self.vespo_lambda_neg,
+            **kw,
+        )
+        self.last_metrics = metrics
+        out = []
+        if self.beta != 0.0:
+            n = attention_mask.to(torch.float32).sum().clamp(min=1.0)
+            kl = metrics.get("kl", torch.zeros((), device=loss.device))
+            # Liger normalises by the attention-mask count; bitrl's "kl" is over the loss tokens
+            out.append(kl * metrics["n_tokens"] / n)
+        n = attention_mask.to(torch.float32).sum().clamp(min=1.0)
+        out.append(metrics["clipfrac"] * metrics["n_tokens"] / n)
+        return loss, tuple(out)

@@ -1,0 +1,513 @@
+"""Hidden states -> per-token log-prob and entropy of the target token, without the [N, V] logits.
+
+``fused_logprobs(hidden [N, H], weight [V, H], targets [N]) -> (logprobs [N] fp32, entropy [N] fp32 | None)``
+
+Implementations (``impl=``, or ``BITRL_KERNEL_IMPL``):
+
+* ``"reference"`` - the naive unfused torch formula (``linear -> /T -> log_softmax -> gather``) in the input
+  dtype. The tests run it in fp64 as ground truth and in the native dtype as the "unfused" baseline.
+* ``"torch"`` - chunked over tokens: each chunk's logits are computed (fp32 accumulation), reduced to
+  (log-prob, entropy, log-sum-exp, E_p[z]) and dropped. Backward recomputes the chunk's logits, forms
+  dz = g_lp (onehot - p) - g_H p (z - E_p[z]) in place, and accumulates dW in fp32. The entropy term is only
+  formed when the entropy output received a gradient.
+* ``"triton"`` - the same chunking, with the per-row online log-sum-exp (running max, sum exp, sum p*z, tiled
+  over the vocabulary) and the in-place gradient as Triton kernels; matmuls stay on cuBLAS.
+
+Numerics: log-sum-exp, entropy and dW accumulate in fp32 (fp64 when the inputs are fp64). ``-inf`` logits
+(for instance from a ``-inf`` bias entry masking part of the vocabulary) are clamped to the most negative
+finite float so that p = 0 there exactly and no NaN appears. Non-finite hidden/weight values, NaN or +inf in
+the bias, and non-positive temperatures raise ``ValueError``. Rows whose target is ``ignore_index`` get
+log-prob 0 and entropy 0 and no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._common import (
+    FLOAT_DTYPES,
+    HAS_TRITON,
+    check_same_device,
+    check_tensor,
+    next_pow2,
+    resolve_impl,
+)
+
+__all__ = ["fused_logprobs", "fused_logprobs_reference", "default_chunk_size"]
+
+# Bytes of fp32 logits one chunk may hold. 64 MiB keeps the torch path's peak far below the unfused path
+# while each chunk's matmul stays large enough to run at full speed.
+CHUNK_BYTES = 64 * 2**20
+
+
+def default_chunk_size(vocab: int, budget_bytes: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one fp32 [chunk, V] logits tile stays within ``budget_bytes``."""
+    return max(16, min(8192, budget_bytes // (4 * max(int(vocab), 1))))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# naive reference
+# ----------------------------------------------------------------------------------------------------------
+
+
+def fused_logprobs_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature=1.0,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    return_entropy: bool = True,
+):
+    """The unfused path in the input dtype: logits -> /T -> log_softmax -> gather (and entropy).
+
+    Materialises the full [N, V] logits. Outputs are cast to fp32 (fp64 stays fp64). Used as ground truth
+    (fp64 inputs) and as the "unfused same dtype" baseline in the tests and benchmarks.
+    """
+    logits = F.linear(hidden, weight, bias)
+    if isinstance(temperature, torch.Tensor):
+        logits = logits / temperature.to(logits.dtype).unsqueeze(-1)
+    elif temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    lp = logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1).to(out_dtype)
+    lp = torch.where(valid, lp, torch.zeros_like(lp))
+    ent = None
+    if return_entropy:
+        p = logp.exp()
+        plogp = torch.where(p > 0, p * logp, torch.zeros_like(p))
+        ent = (-plogp.sum(-1)).to(out_dtype)
+        ent = torch.where(valid, ent, torch.zeros_like(ent))
+    return lp, ent
+
+
+# ----------------------------------------------------------------------------------------------------------
+# chunk building blocks (shared with fused_linear_policy_loss)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """Operand dtype for the logits matmul: native on CUDA (fp32 accumulation in cuBLAS), fp32 on CPU."""
+    if x.dtype == torch.float64:
+        return torch.float64
+    if x.device.type == "cuda":
+        return x.dtype
+    return torch.float32
+
+
+def acc_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """a @ b with the result in the accumulation dtype (fp32), avoiding a bf16 round-trip where possible."""
+    if a.dtype == acc:
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=acc)
+        except (RuntimeError, TypeError):
+            pass
+    return (a @ b).to(acc)
+
+
+def chunk_logits(h: torch.Tensor, w_mm: torch.Tensor, bias: torch.Tensor | None, acc: torch.dtype):
+    """[c, V] logits of one chunk in the accumulation dtype (temperature not applied)."""
+    z = mm_acc(h.to(w_mm.dtype), w_mm.t(), acc)
+    if bias is not None:
+        z += bias.to(acc)
+    return z
+
+
+def _finfo_min(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).min
+
+
+def row_stats_torch(
+    z: torch.Tensor, y: torch.Tensor, inv_t: torch.Tensor, valid: torch.Tensor, need_ent: bool
+):
+    """Per-row (log-prob of y, entropy, lse, E_p[z]) of z * inv_t. Does not modify ``z``."""
+    zs = z * inv_t.unsqueeze(-1)
+    zs.clamp_(min=_finfo_min(zs.dtype))
+    m = zs.amax(dim=-1, keepdim=True)
+    e = (zs - m).exp_()
+    s = e.sum(dim=-1)
+    lse = m.squeeze(-1) + s.log()
+    lp = zs.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
+    if need_ent:
+        mz = e.mul_(zs).sum(dim=-1) / s
+        ent = lse - mz
+    else:
+        mz = torch.zeros_like(lse)
+        ent = None
+    del e, zs
+    zero = torch.zeros_like(lp)
+    lp = torch.where(valid, lp, zero)
+    if ent is not None:
+        ent = torch.where(valid, ent, zero)
+    return lp, ent, lse, mz
+
+
+def row_grad_torch(z, y, inv_t, lse, mz, g_lp, g_ent):
+    """d(loss)/d(raw logits) for one chunk, written into ``z`` (which is overwritten and returned).
+
+    g_lp / g_ent are [c] fp32 gradients of the loss w.r.t. the log-prob / entropy (zero on ignored rows);
+    ``g_ent=None`` skips the entropy term.
+    """
+    zs = z.mul_(inv_t.unsqueeze(-1))
+    zs.clamp_(min=_finfo_min(zs.dtype))
+    p = (zs - lse.unsqueeze(-1)).exp_()
+    if g_ent is not None:
+        # dz = -g_lp p - g_H p (z - E_p[z]) + g_lp onehot
+        zs.sub_(mz.unsqueeze(-1)).mul_(-g_ent.unsqueeze(-1)).sub_(g_lp.unsqueeze(-1)).mul_(p)
+    else:
+        torch.mul(p, (-g_lp).unsqueeze(-1), out=zs)
+    del p
+    zs.scatter_add_(-1, y.unsqueeze(-1), g_lp.unsqueeze(-1).to(zs.dtype))
+    zs.mul_(inv_t.unsqueeze(-1))
+    return zs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels: per-row online log-sum-exp over vocabulary tiles, and the in-place gradient
+# ----------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _logprob_rows_fwd_kernel(
+        Z,
+        stride_z,
+        INV_T,
+        Y,
+        VALID,
+        LP,
+        ENT,
+        LSE,
+        MZ,
+        V,
+        BLOCK_V: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        z_row = Z + row * stride_z
+        y = tl.load(Y + row)
+        inv_t = tl.load(INV_T + row)
+        valid = tl.load(VALID + row)
+        neg = -3.0e38
+        m = neg
+        s = 0.0
+        t = 0.0
+        zy = 0.0
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            inb = cols < V
+            z = tl.load(z_row + cols, mask=inb, other=0.0).to(tl.float32) * inv_t
+            z = tl.where(inb, tl.maximum(z, neg), neg)
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            scale = tl.exp(m - m_new)
+            e = tl.where(inb, tl.exp(z - m_new), 0.0)
+            s = s * scale + tl.sum(e, axis=0)
+            t = t * scale + tl.sum(e * z, axis=0)
+            zy += tl.sum(tl.where(cols == y, z, 0.0), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+        mz = t / s
+        lp = tl.where(valid != 0, zy - lse, 0.0)
+        ent = tl.where(valid != 0, lse - mz, 0.0)
+        tl.store(LP + row, lp)
+        tl.store(ENT + row, ent)
+        tl.store(LSE + row, lse)
+        tl.store(MZ + row, mz)
+
+    @triton.jit
+    def _logprob_rows_bwd_kernel(
+        Z,
+        stride_z,
+        DZ,
+        stride_dz,
+        INV_T,
+        Y,
+        LSE,
+        MZ,
+        GLP,
+        GENT,
+        V,
+        HAS_GENT: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        z_row = Z + row * stride_z
+        dz_row = DZ + row * stride_dz
+        y = tl.load(Y + row)
+        inv_t = tl.load(INV_T + row)
+        lse = tl.load(LSE + row)
+        g_lp = tl.load(GLP + row)
+        if HAS_GENT:
+            g_ent = tl.load(GENT + row)
+            mz = tl.load(MZ + row)
+        neg = -3.0e38
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            inb = cols < V
+            z = tl.load(z_row + cols, mask=inb, other=0.0).to(tl.float32) * inv_t
+            z = tl.maximum(z, neg)
+            p = tl.exp(z - lse)
+            dz = -g_lp * p
+            if HAS_GENT:
+                dz -= g_ent * p * (z - mz)
+            dz += tl.where(cols == y, g_lp, 0.0)
+            dz = dz * inv_t
+            tl.store(dz_row + cols, dz.to(DZ.dtype.element_ty), mask=inb)
+
+
+def _block_v(V: int) -> int:
+    return min(4096, max(16, next_pow2(V)))
+
+
+def row_stats_triton(z, y, inv_t, valid, need_ent):
+    c, V = z.shape
+    acc = torch.float64 if z.dtype == torch.float64 else torch.float32
+    lp = torch.empty(c, device=z.device, dtype=acc)
+    ent = torch.empty_like(lp)
+    lse = torch.empty_like(lp)
+    mz = torch.empty_like(lp)
+    if c:
+        _logprob_rows_fwd_kernel[(c,)](
+            z,
+            z.stride(0),
+            inv_t.to(torch.float32).contiguous(),
+            y.contiguous(),
+            valid.to(torch.int8).contiguous(),
+            lp,
+            ent,
+            lse,
+            mz,
+            V,
+            BLOCK_V=_block_v(V),
+        )
+    return lp, (ent if need_ent else None), lse, mz
+
+
+def row_grad_triton(z, y, inv_t, lse, mz, g_lp, g_ent):
+    c, V = z.shape
+    if c:
+        _logprob_rows_bwd_kernel[(c,)](
+            z,
+            z.stride(0),
+            z,
+            z.stride(0),
+            inv_t.to(torch.float32).contiguous(),
+            y.contiguous(),
+            lse.to(torch.float32).contiguous(),
+            mz.to(torch.float32).contiguous(),
+            g_lp.to(torch.float32).contiguous(),
+            (g_ent if g_ent is not None else g_lp).to(torch.float32).contiguous(),
+            V,
+            HAS_GENT=g_ent is not None,
+            BLOCK_V=_block_v(V),
+        )
+    return z
+
+
+def row_stats(backend, *args):
+    return (row_stats_triton if backend == "triton" else row_stats_torch)(*args)
+
+
+def row_grad(backend, *args):
+    return (row_grad_triton if backend == "triton" else row_grad_torch)(*args)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# validation shared by fused_logprobs and fused_linear_policy_loss
+# ----------------------------------------------------------------------------------------------------------
+
+
+def validate_linear_inputs(hidden, weight, targets, bias, temperature, *, check_finite=True):
+    """Validate (hidden [N, H], weight [V, H], targets [N], bias [V]?, temperature float | [N]).
+
+    Returns (inv_t [N] in the accumulation dtype, valid-target predicate inputs unchanged).
+    """
+    check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
+    N, H = hidden.shape
+    check_tensor("weight", weight, shape=(None, H), dtypes=FLOAT_DTYPES)
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight: expected dtype {hidden.dtype} (the dtype of hidden), got {weight.dtype}")
+    V = weight.shape[0]
+    if V == 0:
+        raise ValueError("weight: vocabulary size is 0")
+    check_tensor("targets", targets, shape=(N,), dtypes=(torch.int64, torch.int32))
+    check_same_device("hidden", hidden, weight=weight, targets=targets, bias=bias)
+    if bias is not None:
+        check_tensor("bias", bias, shape=(V,), dtypes=FLOAT_DTYPES)
+    acc = acc_dtype(hidden)
+    if isinstance(temperature, torch.Tensor):
+        check_tensor("temperature", temperature, shape=(N,), dtypes=FLOAT_DTYPES, device=hidden.device)
+        t = temperature.detach().to(acc)
+        if check_finite and not bool(((t > 0) & torch.isfinite(t)).all()):
+            raise ValueError("temperature: every per-token temperature must be finite and > 0")
+        inv_t = 1.0 / t
+    else:
+        try:
+            tf = float(temperature)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"temperature: expected a float or an [N] tensor, got {type(temperature).__name__}"
+            ) from None
+        if not (tf > 0 and tf != float("inf")):
+            raise ValueError(f"temperature: must be finite and > 0, got {tf}")
+        inv_t = torch.full((N,), 1.0 / tf, dtype=acc, device=hidden.device)
+    if check_finite:
+        if not bool(torch.isfinite(hidden).all()):
+            raise ValueError("hidden: contains NaN or inf")
+        if not bool(torch.isfinite(weight).all()):
+            raise ValueError("weight: contains NaN or inf")
+        if bias is not None and bool((torch.isnan(bias) | (bias == float("inf"))).any()):
+            raise ValueError("bias: contains NaN or +inf (-inf entries, which mask tokens, are allowed)")
+    return inv_t
+
+
+# ----------------------------------------------------------------------------------------------------------
+# autograd Function (torch and triton backends)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class FusedLogprobsFunction(torch.autograd.Function):
+    """Chunked hidden->log-prob/entropy with recomputation in backward. Returns (lp [N], entropy [N])."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, need_ent, chunk, backend):
+        N, _ = hidden.shape
+        acc = acc_dtype(hidden)
+        w_mm = weight.to(matmul_dtype(hidden))
+        valid = targets != ignore_index
+        y = torch.where(valid, targets, torch.zeros_like(targets)).long()
+        lp = torch.empty(N, dtype=acc, device=hidden.device)
+        ent = torch.empty(N if need_ent else 0, dtype=acc, device=hidden.device)
+        lse = torch.empty(N, dtype=acc, device=hidden.device)
+        mz = torch.empty(N, dtype=acc, device=hidden.device)
+        for s in range(0, N, chunk):
+            e = min(N, s + chunk)
+            z = chunk_logits(hidden[s:e], w_mm, bias, acc)
+            lp_c, ent_c, lse_c, mz_c = row_stats(backend, z, y[s:e], inv_t[s:e], valid[s:e], need_ent)
+            lp[s:e] = lp_c
+            lse[s:e] = lse_c
+            mz[s:e] = mz_c
+            if need_ent:
+                ent[s:e] = ent_c
+            del z
+        ctx.save_for_backward(hidden, weight, bias, y, valid, inv_t, lse, mz)
+        ctx.chunk = chunk
+        ctx.backend = backend
+        ctx.set_materialize_grads(False)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, y, valid, inv_t, lse, mz = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if g_lp is None and (g_ent is None or g_ent.numel() == 0):
+            return (None,) * 9
+        N, H = hidden.shape
+        acc = acc_dtype(hidden)
+        mm = matmul_dtype(hidden)
+        w_mm = weight.to(mm)
+        vf = valid.to(acc)
+        g_lp = torch.zeros(N, dtype=acc, device=hidden.device) if g_lp is None else g_lp.to(acc) * vf
+        if g_ent is not None and g_ent.numel() == 0:
+            g_ent = None
+        if g_ent is not None:
+            g_ent = g_ent.to(acc) * vf
+        dh = torch.empty_like(hidden) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        for s in range(0, N, ctx.chunk):
+            e = min(N, s + ctx.chunk)
+            h = hidden[s:e]
+            z = chunk_logits(h, w_mm, bias, acc)
+            dz = row_grad(
+                ctx.backend,
+                z,
+                y[s:e],
+                inv_t[s:e],
+                lse[s:e],
+                mz[s:e],
+                g_lp[s:e],
+                None if g_ent is None else g_ent[s:e],
+            )
+            if need_b:
+                db += dz.sum(0)
+            dzm = dz.to(mm)
+            if need_h:
+                dh[s:e] = (dzm @ w_mm).to(hidden.dtype)
+            if need_w:
+                dw += mm_acc(dzm.t(), h.to(mm), acc)
+            del z, dz, dzm
+        return (
+            dh,
+            None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def fused_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    return_entropy: bool = True,
+    impl: str | None = None,
+    chunk_size: int | None = None,
+    check_finite: bool = True,
+):
+    """Log-prob (and entropy) of ``targets`` under softmax((hidden @ weight.T + bias) / temperature).
+
+    Args:
+        hidden: [N, H] fp32 / bf16 / fp16 (fp64 accepted, computed in fp64).
+        weight: [V, H], same dtype and device as ``hidden`` (the LM head).
+        targets: [N] int64/int32 token ids; entries equal to ``ignore_index`` are ignored (output 0, no grad).
+        temperature: a positive float, or an [N] tensor of per-token temperatures (no gradient).
+        bias: optional [V] bias; ``-inf`` entries mask vocabulary items.
+        return_entropy: also return the entropy of each row's distribution.
+        impl: ``"triton" | "torch" | "reference"``; default from ``BITRL_KERNEL_IMPL`` or the device.
+        chunk_size: tokens per chunk (default: about 64 MiB of fp32 logits).
+        check_finite: validate that the inputs are finite (one device sync); ``False`` skips it.
+
+    Returns:
+        ``(logprobs [N] fp32, entropy [N] fp32 or None)``. Gradients flow to hidden, weight and bias; the
+        entropy gradient is only computed when the entropy is used by the loss.
+    """
+    inv_t = validate_linear_inputs(hidden, weight, targets, bias, temperature, check_finite=check_finite)
+    impl = resolve_impl(impl, hidden.device, op="fused_logprobs")
+    if impl == "reference":
+        return fused_logprobs_reference(
+            hidden,
+            weight,
+            targets,
+            temperature=temperature,
+            bias=bias,
+            ignore_index=ignore_index,
+            return_entropy=return_entropy,
+        )
+    chunk = int(chunk_size) if chunk_size else default_chunk_size(weight.shape[0])
+    if chunk <= 0:
+        raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
+    lp, ent = FusedLogprobsFunction.apply(
+        hidden, weight, bias, targets, inv_t, int(ignore_index), bool(return_entropy), chunk, impl
+    )
+    return lp, (ent if return_entropy else None)
