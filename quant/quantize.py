@@ -156,9 +156,7 @@ def quantize(
     if use_triton:
         if bh != 1:
             raise ValueError(f"block_size: the Triton path supports 1-D blocks only, got {(bh, bw)}")
-        from bitrl.kernels.quantize import quantize_blocks
-
-        data, scale, ts = quantize_blocks(x2, spec, bw, noise)
+        data, scale, ts = quantize_triton(x2, spec, bw, noise)
     else:
         data, scale, ts = quantize_reference(x2, spec, (bh, bw), noise)
     return QuantizedTensor(
@@ -218,6 +216,33 @@ def quantize_reference(
         data = ref.pack_fp4(ref.encode_element(mag, neg, elem))
     else:
         data = torch.where(neg, -mag, mag).to(elem.torch_dtype)
+    return data, scale, ts
+
+
+def quantize_triton(
+    x2: torch.Tensor, spec: QuantSpec, bw: int, noise: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Triton path (1 x bw blocks): same outputs as :func:`quantize_reference`, bit for bit."""
+    from bitrl.kernels.quantize import quantize_blocks_triton
+
+    f = spec.fmt
+    ts = None
+    if f.scale_kind == "e4m3":
+        ts = ref.nvfp4_tensor_scale(x2.abs().amax().to(torch.float32))
+    codes, scale = quantize_blocks_triton(
+        x2,
+        f.element,
+        bw=bw,
+        scale_kind=f.scale_kind,
+        scale_mode=spec.scale_mode,
+        noise=noise,
+        tensor_scale=ts,
+    )
+    if f.scale_kind == "e8m0":
+        scale = scale.view(E8M0_DTYPE) if E8M0_DTYPE is not None else scale
+    elif f.scale_kind == "e4m3":
+        scale = scale.to(torch.float8_e4m3fn)
+    data = codes if f.packed else codes.view(f.element.torch_dtype)
     return data, scale, ts
 
 

@@ -64,7 +64,7 @@ def encode_element(v: torch.Tensor, negative: torch.Tensor, elem: ElementFormat)
     fl = ((bits >> _F32_EXP_SHIFT) & 0xFF) - 127
     mant = (bits >> (_F32_EXP_SHIFT - elem.mbits)) & ((1 << elem.mbits) - 1)
     normal_code = ((fl - elem.emin + 1) << elem.mbits) | mant
-    sub_code = (v * (1.0 / elem.min_subnormal)).to(torch.int32)
+    sub_code = (torch.clamp(v, max=elem.min_normal) * (1.0 / elem.min_subnormal)).to(torch.int32)
     code = torch.where(v < elem.min_normal, sub_code, normal_code)
     code = code | (negative.to(torch.int32) << (elem.bits - 1))
     return code.to(torch.uint8)

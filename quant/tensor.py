@@ -97,9 +97,19 @@ class QuantizedTensor:
         """Values as ``dtype`` with the original shape. Exact in float32 (every product is a power of two or
         has few enough significant bits), except NVFP4's final multiplication by the FP32 tensor scale."""
         if backend == "triton" or (backend == "auto" and self.data.is_cuda and self.fmt.scale_kind != "fp32"):
-            from bitrl.kernels.quantize import dequantize_blocks
+            if self.block[0] != 1:
+                raise ValueError(f"backend: the Triton path supports 1-D blocks only, got {self.block}")
+            from bitrl.kernels.quantize import dequantize_blocks_triton
 
-            out = dequantize_blocks(self)
+            out = dequantize_blocks_triton(
+                self.data,
+                self.scale_fp32(),
+                self.fmt.element,
+                bw=self.block[1],
+                cols=self.cols,
+                tensor_scale=self.tensor_scale,
+                out_dtype=dtype,
+            )
         else:
             out = dequantize_reference(self)
         return out.to(dtype).reshape(self.shape)
