@@ -1,0 +1,183 @@
+"""Run configuration: typed, validated before any work, loadable from YAML/JSON plus key=value overrides.
+
+Every field has a default; the defaults are the embedded demo (a small Qwen2-architecture model learning
+two-digit addition and subtraction). An unknown field or a bad value raises ConfigError naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str | None = None  # a local Hugging Face model directory; None builds the demo model below
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(384, ge=8)
+    num_layers: int = Field(3, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("model.hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+        return self
+
+
+class TaskConfig(Section):
+    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
+    path: str | None = None  # the JSONL file for kind=jsonl
+    digits: int = Field(2, ge=1, le=6)
+    ops: str = "+-"
+    n_eval: int = Field(400, ge=1)
+    reward: str = "exact"  # a name in bitrl.engine.tasks.REWARDS
+    prompt_template: str = "{prompt}"  # applied to each prompt for real models, e.g. a chat preamble
+
+    @model_validator(mode="after")
+    def _check(self):
+        from bitrl.engine.tasks import REWARDS
+
+        if self.reward not in REWARDS:
+            raise ValueError(f"task.reward must be one of {sorted(REWARDS)}, got {self.reward!r}")
+        if self.kind == "jsonl" and not self.path:
+            raise ValueError("task.path is required when task.kind is 'jsonl'")
+        if "{prompt}" not in self.prompt_template:
+            raise ValueError("task.prompt_template must contain '{prompt}'")
+        return self
+
+
+class WarmStartConfig(Section):
+    steps: int = Field(1500, ge=0)  # the most supervised steps; 0 skips the warm start
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    target_accuracy: float | None = Field(0.25, gt=0, le=1)  # stop early at this validation accuracy
+    eval_every: int = Field(25, ge=1)
+    val_size: int = Field(200, ge=1)
+    cache: bool = True  # reuse a finished warm start with the same model/task/warm-start settings
+
+
+class RolloutConfig(Section):
+    prompts_per_step: int = Field(32, ge=1)
+    group_size: int = Field(8, ge=1)
+    max_new_tokens: int = Field(6, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class TrainConfig(Section):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = Field(1.0, gt=0)
+    updates_per_batch: int = Field(2, ge=1)  # optimizer passes over each rollout batch (PPO epochs)
+    minibatches: int = Field(1, ge=1)  # optimizer steps per pass
+    advantage: str = "grpo"
+    loss_type: str = "grpo"
+    aggregation: str = "token-mean"
+    clip_eps_low: float = Field(0.2, ge=0, lt=1)
+    clip_eps_high: float = Field(0.28, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    correction: str = "none"
+    correction_cap: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _names(self):
+        from bitrl.train.advantages import ADVANTAGES
+        from bitrl.train.losses import AGGREGATIONS, CORRECTIONS, LOSSES
+
+        for field, table in (
+            ("advantage", ADVANTAGES),
+            ("loss_type", LOSSES),
+            ("aggregation", AGGREGATIONS),
+            ("correction", CORRECTIONS),
+        ):
+            if getattr(self, field) not in table:
+                raise ValueError(
+                    f"train.{field} must be one of {sorted(table)}, got {getattr(self, field)!r}"
+                )
+        return self
+
+
+class Config(Section):
+    name: str = "demo"
+    seed: int = 0
+    steps: int = Field(60, ge=1)
+    eval_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(10, ge=1)
+    out_dir: str = "runs"
+    threads: int = Field(0, ge=0)  # torch intra-op threads; 0 keeps torch's default
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    warmstart: WarmStartConfig = WarmStartConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _set_dotted(tree: dict, key: str, value) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config field {key!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"{field}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML/JSON file <- `section.key=value` overrides (values parsed as JSON when they parse)."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        tree = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, value = item.split("=", 1)
+        _set_dotted(tree, key.strip(), _parse_value(value))
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None

@@ -1,0 +1,160 @@
+"""The RL loop: rollout -> reward -> advantages -> train -> weight sync, with evaluation, metrics and
+checkpoints. Read `run` top to bottom for one whole training run."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bitrl.engine.config import Config
+from bitrl.engine.evaluate import accuracy, encode_prompts, score
+from bitrl.engine.models import build_demo_model, load_pretrained
+from bitrl.engine.report import plot_metrics
+from bitrl.engine.tasks import REWARDS, ArithmeticTask, CharTokenizer, JsonlTask
+from bitrl.engine.warmstart import warm_start
+from bitrl.rollout.engine import generate
+from bitrl.train.advantages import compute_advantages
+from bitrl.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from bitrl.train.trainer import PolicyTrainer
+
+
+def build(cfg: Config):
+    """(policy, tokenizer, task) as the config describes them."""
+    if cfg.task.kind == "arithmetic":
+        task = ArithmeticTask(cfg.task.digits, cfg.task.n_eval, cfg.seed, cfg.task.ops)
+    else:
+        task = JsonlTask(cfg.task.path, cfg.task.n_eval, cfg.seed)
+    if cfg.model.path:
+        policy, tokenizer = load_pretrained(cfg.model.path, cfg.model.dtype)
+    else:
+        tokenizer = CharTokenizer(ArithmeticTask.alphabet)
+        if cfg.task.kind != "arithmetic":
+            raise ValueError(
+                "the embedded demo model only speaks the arithmetic task; set model.path for jsonl"
+            )
+        torch.manual_seed(cfg.seed)
+        policy = build_demo_model(cfg.model, tokenizer.vocab_size)
+    return policy, tokenizer, task
+
+
+def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
+    """Train as `cfg` says; with `resume`, continue from cfg.run_dir's checkpoint. Returns the metric records."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = run_dir / "metrics.jsonl"
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    policy, tokenizer, task = build(cfg)
+    trainer = PolicyTrainer(policy, cfg.train, temperature=cfg.rollout.temperature)
+    sampler = torch.Generator().manual_seed(cfg.seed)  # drives every rollout sample
+    data_rng = random.Random(f"data-{cfg.seed}")  # drives which training prompts are drawn
+    reward_fn = REWARDS[cfg.task.reward]
+
+    if resume:
+        state = load_checkpoint(run_dir)
+        policy.load_state_dict(state["policy"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        sampler.set_state(state["sampler"])
+        data_rng.setstate(state["data_rng"])
+        set_rng_state(state["rng"])
+        start_step, records = state["step"], state["records"]
+        log(f"resumed {run_dir} at step {start_step}")
+    else:
+        (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+        warm_start(policy, tokenizer, task, cfg, log=log)
+        start_step, records = (
+            0,
+            [{"step": 0, "accuracy": accuracy(policy, tokenizer, task.eval_problems, cfg)}],
+        )
+        log(f"held-out accuracy after warm start: {records[0]['accuracy']:.3f}")
+    # Rewrite the metrics file from the records the checkpoint promised, dropping steps lost in a crash.
+    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    rollout_model = copy.deepcopy(policy).eval()  # the rollout copy, synced after every update
+    progress = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.name)
+    for step in progress:
+        t0 = time.perf_counter()
+        # 1. rollout: G samples for each of the step's prompts
+        problems = [task.sample(data_rng) for _ in range(cfg.rollout.prompts_per_step)]
+        grouped = [p for p in problems for _ in range(cfg.rollout.group_size)]
+        rollout = generate(
+            rollout_model,
+            encode_prompts(tokenizer, grouped, cfg.task.prompt_template),
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id,
+            temperature=cfg.rollout.temperature,
+            top_k=cfg.rollout.top_k,
+            top_p=cfg.rollout.top_p,
+            generator=sampler,
+        )
+        t_rollout = time.perf_counter() - t0
+        # 2. reward and advantages
+        rewards = score(tokenizer, reward_fn, rollout, grouped)
+        advantages = compute_advantages(
+            cfg.train.advantage, rewards.view(-1, cfg.rollout.group_size)
+        ).flatten()
+        # 3. train, then 4. sync the rollout copy
+        metrics = trainer.step(rollout, advantages)
+        rollout_model.load_state_dict(policy.state_dict())
+        step_time = time.perf_counter() - t0
+
+        record = {
+            "step": step + 1,
+            "reward_mean": float(rewards.mean()),
+            **metrics,
+            "response_len": rollout.num_tokens / rollout.response_mask.shape[0],
+            "tokens_per_s": rollout.num_tokens / step_time,
+            "rollout_time_s": t_rollout,
+            "step_time_s": step_time,
+        }
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            record["accuracy"] = accuracy(policy, tokenizer, task.eval_problems, cfg)
+        records.append(record)
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        progress.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=record.get("accuracy", "-"))
+
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            save_checkpoint(
+                run_dir,
+                {
+                    "step": step + 1,
+                    "policy": policy.state_dict(),
+                    "optimizer": trainer.optimizer.state_dict(),
+                    "sampler": sampler.get_state(),
+                    "data_rng": data_rng.getstate(),
+                    "rng": rng_state(),
+                    "records": records,
+                    "config": cfg.model_dump(),
+                },
+            )
+    progress.close()
+    plot_metrics(records, run_dir / "report.png", title=cfg.name)
+    return records
+
+
+def summarize(records: list[dict]) -> dict:
+    evals = [r for r in records if "accuracy" in r]
+    return {
+        "accuracy_start": evals[0]["accuracy"],
+        "accuracy_end": evals[-1]["accuracy"],
+        "steps": records[-1]["step"],
+        "train_time_s": sum(r.get("step_time_s", 0.0) for r in records),
+    }
+
+
+def config_from_run(run_dir: str | Path) -> Config:
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} holds no config.json; is it a bitrl run directory?")
+    return Config.model_validate_json(path.read_text())

@@ -1,0 +1,45 @@
+"""`bitrl train [--config FILE] [--resume RUN_DIR] [section.key=value ...]`"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from bitrl.engine.config import ConfigError, load_config
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="bitrl train", description="RL training; defaults are the embedded demo"
+    )
+    parser.add_argument("--config", help="YAML or JSON config file")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR")
+    parser.add_argument(
+        "overrides", nargs="*", help="section.key=value, e.g. train.lr=5e-4 rollout.group_size=4"
+    )
+    args = parser.parse_args(argv)
+    try:
+        if args.resume:
+            run_dir = Path(args.resume)
+            config_file = run_dir / "config.json"
+            if not config_file.is_file():
+                raise ConfigError(f"--resume: {run_dir} holds no config.json; is it a bitrl run directory?")
+            where = [f"out_dir={json.dumps(str(run_dir.parent))}", f"name={json.dumps(run_dir.name)}"]
+            cfg = load_config(config_file, [*args.overrides, *where])
+        else:
+            cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"bitrl train: {e}", file=sys.stderr)
+        return 2
+
+    from bitrl.engine.loop import run, summarize
+
+    t0 = time.perf_counter()
+    records = run(cfg, resume=bool(args.resume))
+    summary = summarize(records) | {"wall_time_s": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(summary))
+    print(f"metrics: {cfg.run_dir / 'metrics.jsonl'}  report: {cfg.run_dir / 'report.png'}")
+    return 0

@@ -1,0 +1,121 @@
+"""Batched generation with a KV cache for any Hugging Face causal LM.
+
+Prompts are left-padded so that every row's next token sits in the last column; position ids are
+computed from the attention mask so padded rows see the same positions as unpadded ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bitrl.rollout.sampling import sample_tokens
+
+
+@dataclass
+class Rollout:
+    """A batch of generated responses.
+
+    prompt_ids [B, P] int64, left-padded; prompt_mask [B, P] bool.
+    response_ids [B, R] int64, right-padded with pad_id after EOS; response_mask [B, R] bool, True for every
+    generated token up to and including EOS. logprobs [B, R] fp32: log-prob of each sampled token under the
+    distribution it was sampled from (0 where masked).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def full_sequence(self):
+        """(input_ids [B, P+R], attention_mask [B, P+R], position_ids [B, P+R]) of prompt + response."""
+        ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
+        mask = torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        return ids, mask, position_ids_from_mask(mask)
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over attended tokens only; padding gets position 0. mask: [B, T] -> [B, T] int64."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device=None):
+    """Left-pad token lists into (ids [B, L] int64, mask [B, L] bool)."""
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        mask[row, width - len(seq) :] = True
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample up to `max_new_tokens` tokens after each prompt, stopping a row at `eos_id`.
+
+    model: a Hugging Face causal LM (anything whose forward takes input_ids, attention_mask, position_ids,
+    cache, use_cache and returns .logits and .cache). Deterministic for a given `generator` state.
+    """
+    from transformers import DynamicCache
+
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
+    batch = prompt_ids.shape[0]
+    cache = DynamicCache(config=model.config)
+    attn = prompt_mask.long()
+    out = model(
+        input_ids=prompt_ids,
+        attention_mask=attn,
+        position_ids=position_ids_from_mask(attn),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    next_pos = attn.sum(-1, keepdim=True)
+    tokens, logps, alive_cols = [], [], []
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        tok, lp = sample_tokens(
+            out.logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+        )
+        tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
+        tokens.append(tok)
+        logps.append(torch.where(alive, lp, torch.zeros_like(lp)))
+        alive_cols.append(alive.clone())
+        alive &= tok != eos_id
+        if not alive.any() or len(tokens) == max_new_tokens:
+            break
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+        out = model(
+            input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos, cache=cache, use_cache=True
+        )
+        next_pos = next_pos + 1
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=torch.stack(tokens, 1),
+        response_mask=torch.stack(alive_cols, 1),
+        logprobs=torch.stack(logps, 1),
+    )

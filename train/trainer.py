@@ -1,0 +1,96 @@
+"""One RL training step: old log-probs recomputed by the trainer, then several clipped-ratio updates."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bitrl.rollout.engine import Rollout
+from bitrl.train.logprobs import token_logprobs
+from bitrl.train.losses import policy_loss
+
+
+def rollout_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
+    return Rollout(*(getattr(rollout, f)[rows] for f in Rollout.__dataclass_fields__))
+
+
+class PolicyTrainer:
+    """Owns the policy's optimizer and applies one RL update per rollout batch.
+
+    cfg: a bitrl.engine.config.TrainConfig (any object with the same fields works).
+    """
+
+    def __init__(self, policy: torch.nn.Module, cfg, temperature: float = 1.0):
+        self.policy, self.cfg, self.temperature = policy, cfg, temperature
+        self.optimizer = torch.optim.AdamW(
+            policy.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        )
+
+    @torch.no_grad()
+    def old_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """Log-probs of the sampled tokens under the current weights, before any update: [B, R] fp32."""
+        return token_logprobs(self.policy, rollout, self.temperature, with_entropy=False)[0]
+
+    def step(self, rollout: Rollout, advantages: torch.Tensor) -> dict[str, float]:
+        """advantages: [B] fp32, one per response. Returns averaged metrics of the update."""
+        cfg = self.cfg
+        self.policy.train()
+        old = self.old_logprobs(rollout)
+        mask = rollout.response_mask
+        batch = mask.shape[0]
+        sums: dict[str, float] = {}
+        n_updates = 0
+        for _ in range(cfg.updates_per_batch):
+            for rows in torch.arange(batch).chunk(cfg.minibatches):
+                part = rollout_rows(rollout, rows)
+                logprobs, entropy = token_logprobs(self.policy, part, self.temperature)
+                loss, metrics = policy_loss(
+                    logprobs,
+                    old[rows],
+                    advantages[rows],
+                    part.response_mask,
+                    loss_type=cfg.loss_type,
+                    aggregation=cfg.aggregation,
+                    clip_eps_low=cfg.clip_eps_low,
+                    clip_eps_high=cfg.clip_eps_high,
+                    rollout_logprobs=part.logprobs,
+                    correction=cfg.correction,
+                    correction_kwargs={"cap": cfg.correction_cap},
+                    entropy=entropy,
+                    entropy_coef=cfg.entropy_coef,
+                )
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite policy loss {loss.item()} at update {n_updates}")
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+                self.optimizer.step()
+                fmask = part.response_mask.float()
+                metrics |= {
+                    "loss": loss.item(),
+                    "grad_norm": grad_norm.item(),
+                    "entropy": float((entropy.detach() * fmask).sum() / fmask.sum().clamp(min=1)),
+                }
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                n_updates += 1
+        out = {k: v / n_updates for k, v in sums.items()}
+        out.update(mismatch_metrics(old, rollout.logprobs, mask))
+        return out
+
+
+def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor):
+    """Rollout-vs-trainer divergence on the same tokens, both under the same weights.
+
+    k1 = mean(lp_rollout - lp_train); k3 = mean(rho - 1 - log rho) with rho = pi_train / pi_rollout.
+    """
+    m = mask.bool()
+    if not m.any():
+        return {"mismatch_k1_kl": 0.0, "mismatch_k3_kl": 0.0}
+    log_rho = (train_logprobs.float() - rollout_logprobs.float())[m]
+    k3 = torch.expm1(log_rho) - log_rho
+    out = {"mismatch_k1_kl": float((-log_rho).mean()), "mismatch_k3_kl": float(k3.mean())}
+    if not all(math.isfinite(v) for v in out.values()):
+        raise FloatingPointError(f"non-finite mismatch metrics {out}")
+    return out
