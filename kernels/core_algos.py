@@ -83,6 +83,7 @@ class LossTerms:
     clipped_low: torch.Tensor | None = None  # [B, T] bool: the lower clip is the active branch
     clipped_high: torch.Tensor | None = None  # [B, T] bool: the upper clip is the active branch
     clipped_dual: torch.Tensor | None = None  # [B, T] bool: the dual clip (A < 0) is the active branch
+    log_ratio: torch.Tensor | None = None  # [B, T] differentiable log-ratio the loss used (token or sequence)
 
 
 @dataclass
@@ -185,7 +186,7 @@ def _clipped_surrogate(log_r, adv, cfg: LossConfig) -> LossTerms:
         surr3 = -adv * cfg.clip_ratio_c
         clipped_dual = neg & (loss.detach() > surr3)
         loss = torch.where(neg, torch.minimum(loss, surr3), loss)
-    return LossTerms(loss, rd, clipped_low, clipped_high, clipped_dual)
+    return LossTerms(loss, rd, clipped_low, clipped_high, clipped_dual, log_r)
 
 
 @register_policy_loss("grpo", "ppo", "vanilla", token_level=True)

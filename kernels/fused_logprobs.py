@@ -80,8 +80,9 @@ def fused_logprobs_reference(
     ent = None
     if return_entropy:
         p = logp.exp()
-        plogp = torch.where(p > 0, p * logp, torch.zeros_like(p))
-        ent = (-plogp.sum(-1)).to(out_dtype)
+        # p log p -> 0 where p = 0 (a -inf logit), without a NaN in the backward either
+        logp_finite = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
+        ent = (-(p * logp_finite).sum(-1)).to(out_dtype)
         ent = torch.where(valid, ent, torch.zeros_like(ent))
     return lp, ent
 

@@ -276,7 +276,8 @@ def evaluate_rows(lp: torch.Tensor, ent: torch.Tensor | None, plan: Plan, rows: 
     if plan.ref is not None:
         kl = get_kl(plan.kl_type)(lp, plan.ref[sl])
         if plan.kl_is_correction:
-            kl = kl * torch.exp((lp - old).clamp(-20.0, 20.0))
+            log_r = terms.log_ratio if terms.log_ratio is not None else (lp - old).clamp(-20.0, 20.0)
+            kl = kl * torch.exp(log_r)
         kl_term = (w * kl).sum()
         if plan.kl_coef:
             loss = loss + plan.kl_coef * kl_term

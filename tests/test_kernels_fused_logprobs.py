@@ -1,0 +1,227 @@
+"""fused_logprobs: accuracy against fp64, gradients, edge cases, validation, Triton under the interpreter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_kernels_helpers import (
+    LOW_DTYPES,
+    assert_as_accurate,
+    assert_close,
+    needs_triton,
+    triton_device,
+)
+
+from bitrl.kernels import fused_logprobs, fused_logprobs_reference
+
+
+def _inputs(N, H, V, dtype, seed=0, scale=1.0, bias=False, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(N, H, generator=g) * scale).to(dtype)
+    w = (torch.randn(V, H, generator=g) / math.sqrt(H)).to(dtype)
+    y = torch.randint(0, V, (N,), generator=g)
+    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if bias else None
+    dev = torch.device(device)
+    return h.to(dev), w.to(dev), y.to(dev), (None if b is None else b.to(dev))
+
+
+def _run(fn, h, w, y, b=None, *, temperature=1.0, use_entropy=True, gseed=1, **kw):
+    """Forward + backward of sum(g1 * lp) + sum(g2 * ent); returns detached (lp, ent, dh, dw, db)."""
+    h = h.detach().clone().requires_grad_(True)
+    w = w.detach().clone().requires_grad_(True)
+    b = None if b is None else b.detach().clone().requires_grad_(True)
+    lp, ent = fn(h, w, y, temperature=temperature, bias=b, **kw)
+    gen = torch.Generator().manual_seed(gseed)
+    g1 = torch.randn(lp.shape, generator=gen, dtype=torch.float64).to(lp.device, lp.dtype)
+    obj = (lp * g1).sum()
+    if use_entropy and ent is not None:
+        g2 = torch.randn(ent.shape, generator=gen, dtype=torch.float64).to(ent.device, ent.dtype)
+        obj = obj + (ent * g2).sum()
+    params = [h, w] + ([b] if b is not None else [])
+    grads = torch.autograd.grad(obj, params)
+    out = [lp.detach(), None if ent is None else ent.detach(), grads[0], grads[1]]
+    out.append(grads[2] if b is not None else None)
+    return out
+
+
+def _ref64(h, w, y, b=None, **kw):
+    t = kw.pop("temperature", 1.0)
+    if isinstance(t, torch.Tensor):
+        t = t.double()
+    return _run(
+        fused_logprobs_reference,
+        h.double(),
+        w.double(),
+        y,
+        None if b is None else b.double(),
+        temperature=t,
+        **kw,
+    )
+
+
+NAMES = ("logprobs", "entropy", "d_hidden", "d_weight", "d_bias")
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
+@pytest.mark.parametrize("per_token_t", [False, True])
+def test_torch_path_as_accurate_as_unfused(dtype, per_token_t):
+    N, H, V = 40, 24, 203
+    h, w, y, b = _inputs(N, H, V, dtype, bias=True)
+    y[5] = -100
+    t = torch.rand(N, generator=torch.Generator().manual_seed(3)) + 0.5 if per_token_t else 0.7
+    ref = _ref64(h, w, y, b, temperature=t)
+    unfused = _run(fused_logprobs_reference, h, w, y, b, temperature=t)
+    fused = _run(fused_logprobs, h, w, y, b, temperature=t, impl="torch", chunk_size=16)
+    for name, f, u, r in zip(NAMES, fused, unfused, ref):
+        assert_as_accurate(f, u, r, atol=1e-5, rtol=1e-5, what=f"{dtype} {name}")
+        if dtype == torch.float32:  # absolute fp32 tolerances
+            assert_close(f, r, atol=2e-5, rtol=2e-5, what=f"fp32 {name}")
+    assert fused[0].dtype == torch.float32 and fused[1].dtype == torch.float32
+    assert fused[0][5] == 0 and fused[1][5] == 0
+
+
+def test_output_contract_and_ignore_index():
+    h, w, y, _ = _inputs(6, 8, 11, torch.bfloat16)
+    y[:] = -100
+    lp, ent = fused_logprobs(h, w, y, impl="torch")
+    assert lp.shape == (6,) and ent.shape == (6,)
+    assert lp.dtype == torch.float32 and ent.dtype == torch.float32
+    assert torch.all(lp == 0) and torch.all(ent == 0)
+    lp, ent = fused_logprobs(h, w, y, impl="torch", return_entropy=False)
+    assert ent is None
+
+
+def test_entropy_gradient_only_when_used():
+    h, w, y, _ = _inputs(10, 8, 37, torch.float64)
+    ref = _ref64(h, w, y, use_entropy=False)
+    got = _run(fused_logprobs, h, w, y, impl="torch", chunk_size=3, use_entropy=False)
+    for name, g, r in zip(NAMES, got, ref):
+        if r is not None:
+            assert_close(g, r, atol=1e-10, rtol=1e-10, what=name)
+    # entropy-only objective
+    hh = h.clone().requires_grad_(True)
+    _, ent = fused_logprobs(hh, w, y, impl="torch")
+    (gh,) = torch.autograd.grad(ent.sum(), [hh])
+    hr = h.clone().requires_grad_(True)
+    _, ent_r = fused_logprobs_reference(hr, w, y)
+    (ghr,) = torch.autograd.grad(ent_r.sum(), [hr])
+    assert_close(gh, ghr, atol=1e-10, rtol=1e-10, what="entropy-only grad")
+
+
+def test_neg_inf_bias_and_huge_logits():
+    N, H, V = 12, 8, 29
+    h, w, y, b = _inputs(N, H, V, torch.float32, bias=True, scale=300.0)  # logits in the thousands
+    b[::3] = float("-inf")
+    y[0] = 0  # target on a masked vocabulary entry -> p = 0, finite very negative log-prob
+    lp, ent = fused_logprobs(h, w, y, bias=b, impl="torch", chunk_size=5)
+    assert torch.isfinite(ent).all()
+    assert torch.isfinite(lp[1:]).all() and lp[0] < -1e30
+    lp64, ent64 = fused_logprobs_reference(h.double(), w.double(), y, bias=b.double())
+    assert_close(lp[1:], lp64[1:], atol=2e-3, rtol=1e-5, what="lp huge logits")
+    assert_close(ent, ent64, atol=2e-3, what="entropy huge logits")
+    hh = h.clone().requires_grad_(True)
+    lp, ent = fused_logprobs(hh, w, y, bias=b, impl="torch")
+    (g,) = torch.autograd.grad(lp[1:].sum() + ent.sum(), [hh])
+    assert torch.isfinite(g).all()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    N=st.integers(1, 9),
+    H=st.integers(1, 9),
+    V=st.integers(1, 70),
+    chunk=st.integers(1, 8),
+    scale=st.sampled_from([0.1, 1.0, 30.0]),
+    per_token=st.booleans(),
+    ignore_frac=st.sampled_from([0.0, 0.5, 1.0]),
+    seed=st.integers(0, 10_000),
+)
+def test_property_matches_fp64(N, H, V, chunk, scale, per_token, ignore_frac, seed):
+    h, w, y, b = _inputs(N, H, V, torch.float32, seed=seed, scale=scale, bias=True)
+    gen = torch.Generator().manual_seed(seed + 1)
+    y[torch.rand(N, generator=gen) < ignore_frac] = -100
+    t = torch.rand(N, generator=gen) * 2 + 0.25 if per_token else 1.3
+    ref = _ref64(h, w, y, b, temperature=t)
+    got = _run(fused_logprobs, h, w, y, b, temperature=t, impl="torch", chunk_size=chunk)
+    unf = _run(fused_logprobs_reference, h, w, y, b, temperature=t)
+    for name, g, u, r in zip(NAMES, got, unf, ref):
+        assert torch.isfinite(g).all(), name
+        assert_as_accurate(g, u, r, atol=1e-4, rtol=1e-5, what=name)
+
+
+def test_validation_errors_name_the_argument():
+    h, w, y, b = _inputs(4, 8, 10, torch.float32, bias=True)
+    cases = [
+        (dict(hidden=h[0]), "hidden"),
+        (dict(weight=w[:, :3]), "weight"),
+        (dict(weight=w.double()), "weight"),
+        (dict(targets=y[:2]), "targets"),
+        (dict(targets=y.float()), "targets"),
+        (dict(bias=b[:3]), "bias"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=torch.ones(3)), "temperature"),
+        (dict(temperature=-torch.ones(4)), "temperature"),
+        (dict(hidden=torch.full_like(h, float("nan"))), "hidden"),
+        (dict(weight=torch.full_like(w, float("inf"))), "weight"),
+        (dict(bias=torch.full_like(b, float("nan"))), "bias"),
+        (dict(impl="cuda-magic"), "impl"),
+    ]
+    for over, name in cases:
+        args = dict(hidden=h, weight=w, targets=y, bias=b)
+        args.update(over)
+        kw = {k: args.pop(k) for k in list(args) if k not in ("hidden", "weight", "targets")}
+        with pytest.raises(ValueError, match=name):
+            fused_logprobs(args["hidden"], args["weight"], args["targets"], **kw)
+    if torch.cuda.is_available():  # pragma: no cover - GPU only
+        with pytest.raises(ValueError, match="targets"):
+            fused_logprobs(h, w, y.cuda())
+
+
+def test_env_var_forces_path(monkeypatch):
+    h, w, y, _ = _inputs(5, 4, 9, torch.float32)
+    monkeypatch.setenv("BITRL_KERNEL_IMPL", "reference")
+    lp_ref, _ = fused_logprobs(h, w, y)
+    monkeypatch.setenv("BITRL_KERNEL_IMPL", "torch")
+    lp_t, _ = fused_logprobs(h, w, y)
+    assert_close(lp_t, lp_ref, atol=1e-5)
+    monkeypatch.setenv("BITRL_KERNEL_IMPL", "bogus")
+    with pytest.raises(ValueError, match="BITRL_KERNEL_IMPL"):
+        fused_logprobs(h, w, y)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
+def test_triton_matches_torch_path(dtype):
+    dev = triton_device()
+    N, H, V = 9, 16, 45  # V not a multiple of the block
+    h, w, y, b = _inputs(N, H, V, dtype, bias=True, device=dev)
+    b[3] = float("-inf")
+    y[2] = -100
+    t = (torch.rand(N) + 0.5).to(dev)
+    ref = _ref64(h.cpu(), w.cpu(), y.cpu(), b.cpu(), temperature=t.cpu())
+    unf = _run(fused_logprobs_reference, h, w, y, b, temperature=t)
+    tri = _run(fused_logprobs, h, w, y, b, temperature=t, impl="triton", chunk_size=4)
+    for name, g, u, r in zip(NAMES, tri, unf, ref):
+        assert_as_accurate(g.cpu(), u.cpu(), r, atol=2e-5, rtol=2e-5, what=f"triton {dtype} {name}")
+
+
+@needs_triton
+def test_triton_n1_and_entropy_unused():
+    dev = triton_device()
+    h, w, y, _ = _inputs(1, 4, 7, torch.float32, device=dev)
+    ref = _ref64(h.cpu(), w.cpu(), y.cpu(), use_entropy=False)
+    tri = _run(fused_logprobs, h, w, y, impl="triton", use_entropy=False)
+    for name, g, r in zip(NAMES, tri, ref):
+        if r is not None:
+            assert_close(g.cpu(), r, atol=1e-5, rtol=1e-5, what=name)
+
+
+def test_triton_forced_without_backend_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    h, w, y, _ = _inputs(2, 4, 5, torch.float32)
+    with pytest.raises(RuntimeError, match="triton"):
+        fused_logprobs(h, w, y, impl="triton")

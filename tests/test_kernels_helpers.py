@@ -1,0 +1,44 @@
+"""Shared helpers for the kernel tests (imported by tests/test_kernels_*.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bitrl.kernels._common import triton_unavailable_reason
+
+LOW_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+needs_triton = pytest.mark.skipif(
+    triton_unavailable_reason(torch.device("cpu")) is not None
+    and not (torch.cuda.is_available() and triton_unavailable_reason(torch.device("cuda")) is None),
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (and triton installed)",
+)
+
+
+def triton_device() -> torch.device:
+    if torch.cuda.is_available() and triton_unavailable_reason(torch.device("cuda")) is None:
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def max_err(x, ref) -> float:
+    if x is None and ref is None:
+        return 0.0
+    return float((x.detach().double() - ref.detach().double()).abs().max()) if ref.numel() else 0.0
+
+
+def assert_as_accurate(fused, unfused, ref64, *, atol: float, rtol: float = 0.0, what: str = ""):
+    """The numerics contract: |fused - ref64| <= |unfused - ref64| + tol (max-abs over the tensor)."""
+    if ref64 is None:
+        return
+    scale = float(ref64.detach().double().abs().max()) if ref64.numel() else 0.0
+    tol = atol + rtol * scale
+    ef, eu = max_err(fused, ref64), max_err(unfused, ref64)
+    assert ef <= eu + tol, f"{what}: fused error {ef:.3e} > unfused error {eu:.3e} + tol {tol:.3e}"
+
+
+def assert_close(x, ref, *, atol: float, rtol: float = 0.0, what: str = ""):
+    scale = float(ref.detach().double().abs().max()) if ref.numel() else 0.0
+    e = max_err(x, ref)
+    assert e <= atol + rtol * scale, f"{what}: error {e:.3e} > {atol + rtol * scale:.3e}"
