@@ -1,0 +1,308 @@
+"""fused_linear_policy_loss and FusedLinearGRPOLoss: accuracy, chunking, Liger's conventions, Triton."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from test_kernels_helpers import LOW_DTYPES, assert_as_accurate, assert_close, needs_triton, triton_device
+
+from bitrl.kernels import FusedLinearGRPOLoss, fused_linear_policy_loss, fused_linear_policy_loss_reference
+
+D = torch.float64
+
+
+def _case(B=3, T=5, H=12, V=41, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, T, H, generator=g, dtype=D)
+    w = torch.randn(V, H, generator=g, dtype=D) / math.sqrt(H)
+    y = torch.randint(0, V, (B, T), generator=g)
+    with torch.no_grad():
+        lp0 = torch.log_softmax(h @ w.T, -1).gather(-1, y[..., None])[..., 0]
+    old = lp0 + 0.2 * torch.randn(B, T, generator=g, dtype=D)
+    ref = lp0 + 0.2 * torch.randn(B, T, generator=g, dtype=D)
+    roll = old + 0.1 * torch.randn(B, T, generator=g, dtype=D)
+    adv = torch.randn(B, generator=g, dtype=D)
+    mask = torch.ones(B, T)
+    mask[0, 3:] = 0
+    if B > 2:
+        mask[2] = 0  # all-masked sequence
+    dev = torch.device(device)
+    cast = lambda x: x.to(dev, dtype)
+    return cast(h), cast(w), y.to(dev), cast(old), cast(adv), mask.to(dev), cast(ref), cast(roll)
+
+
+def _run(fn, h, w, y, old, adv, mask, **kw):
+    h = h.detach().clone().requires_grad_(True)
+    w = w.detach().clone().requires_grad_(True)
+    loss, met = fn(h, w, y, old, adv, mask, **kw)
+    gh, gw = torch.autograd.grad(loss, [h, w])
+    return loss.detach(), gh, gw, met
+
+
+KW = dict(
+    kl_coef=0.05,
+    entropy_coef=0.01,
+    correction="tis-token",
+    clip_ratio_c=3.0,
+    temperature=0.8,
+    loss_agg_mode="seq-mean-token-mean",
+)
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
+def test_as_accurate_as_unfused(dtype):
+    h, w, y, old, adv, mask, ref, roll = _case(dtype=dtype)
+    args64 = [x.double() if x.is_floating_point() else x for x in (h, w, y, old, adv, mask)]
+    r64 = _run(
+        fused_linear_policy_loss_reference,
+        *args64,
+        ref_logprobs=ref.double(),
+        rollout_logprobs=roll.double(),
+        **KW,
+    )
+    unf = _run(
+        fused_linear_policy_loss_reference,
+        h,
+        w,
+        y,
+        old,
+        adv,
+        mask,
+        ref_logprobs=ref,
+        rollout_logprobs=roll,
+        **KW,
+    )
+    got = _run(
+        fused_linear_policy_loss,
+        h,
+        w,
+        y,
+        old,
+        adv,
+        mask,
+        ref_logprobs=ref,
+        rollout_logprobs=roll,
+        impl="torch",
+        chunk_size=2,
+        **KW,
+    )
+    for name, a, u, r in zip(("loss", "d_hidden", "d_weight"), got[:3], unf[:3], r64[:3]):
+        assert a.dtype == (torch.float32 if name == "loss" else dtype)
+        assert_as_accurate(a, u, r, atol=1e-6, rtol=1e-5, what=f"{dtype} {name}")
+        if dtype == torch.float32:
+            assert_close(a, r, atol=1e-6, rtol=1e-5, what=name)
+    for k in ("clipfrac", "kl", "entropy", "ratio_mean", "is_weight_mean"):
+        assert_close(got[3][k], r64[3][k], atol=1e-4, rtol=1e-3, what=k)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo", "gmpo", "cispo", "sapo", "vespo"])
+def test_chunking_is_exact_for_every_loss(loss_type):
+    h, w, y, old, adv, mask, ref, roll = _case(B=4, T=3, dtype=D, seed=2)
+    kw = dict(KW, loss_type=loss_type, ref_logprobs=ref, rollout_logprobs=roll, loss_agg_mode="token-mean")
+    ref_out = _run(fused_linear_policy_loss_reference, h, w, y, old, adv, mask, **kw)
+    for chunk in (1, 3, 100):
+        out = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", chunk_size=chunk, **kw)
+        for a, b in zip(out[:3], ref_out[:3]):
+            assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_on_policy_ignore_index_bias_and_no_grad():
+    h, w, y, _, adv, mask, _, _ = _case(B=2, T=4, dtype=D, seed=4)
+    y[1, 2] = -100
+    b = torch.randn(w.shape[0], dtype=D, requires_grad=True)
+    hh = h.clone().requires_grad_(True)
+    loss, met = fused_linear_policy_loss(hh, w, y, None, adv, mask, bias=b, impl="torch", chunk_size=1)
+    g = torch.autograd.grad(loss, [hh, b])
+    hr = h.clone().requires_grad_(True)
+    br = b.detach().clone().requires_grad_(True)
+    loss_r, _ = fused_linear_policy_loss_reference(hr, w, y, None, adv, mask, bias=br)
+    gr = torch.autograd.grad(loss_r, [hr, br])
+    assert_close(loss, loss_r, atol=1e-12)
+    for a, c in zip(g, gr):
+        assert_close(a, c, atol=1e-10, rtol=1e-10)
+    assert float(met["ratio_mean"]) == pytest.approx(1.0)
+    assert float(met["n_tokens"]) == float(mask.sum()) - 1
+    with torch.no_grad():
+        loss_ng, _ = fused_linear_policy_loss(h, w, y, None, adv, mask, impl="torch")
+    assert_close(loss_ng, loss_r, atol=1e-12)
+
+
+def test_validation_errors_name_the_argument():
+    h, w, y, old, adv, mask, _, _ = _case(B=2, T=3)
+    cases = [
+        ((h[:, :2], w, y, old, adv, mask), "hidden"),
+        ((h, w[:, :3], y, old, adv, mask), "weight"),
+        ((h, w, y[0], old, adv, mask), "targets"),
+        ((h, w, y, old[:, :2], adv, mask), "old_logprobs"),
+        ((h, w, y, old, adv[:1], mask), "advantages"),
+        ((h, w, y, old, adv, mask[:, :2]), "mask"),
+    ]
+    for args, name in cases:
+        with pytest.raises(ValueError, match=name):
+            fused_linear_policy_loss(*args)
+    with pytest.raises(ValueError, match="temperature"):
+        fused_linear_policy_loss(h, w, y, old, adv, mask, temperature=0.0)
+    with pytest.raises(ValueError, match="hidden"):
+        fused_linear_policy_loss(h * float("nan"), w, y, old, adv, mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FusedLinearGRPOLoss against Liger-Kernel's conventions, written out independently here
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _liger_formula(
+    lp, old, ref, adv, m, *, loss_type, beta, eps_lo, eps_hi, level, delta, temp_pos, temp_neg, L
+):
+    """LigerFusedLinearGRPOLoss's loss and (kl, clip_ratio) metrics from its documented formulas."""
+    B, T = lp.shape
+    a = adv.unsqueeze(1)
+    log_r = lp - old
+    if level == "sequence":
+        log_r = ((log_r * m).sum(-1) / m.sum(-1).clamp(min=1)).unsqueeze(-1)
+    r = torch.exp(log_r)
+    if loss_type == "cispo":
+        c = r.clamp(max=eps_hi).detach()
+        per = -c * a * lp
+        clipped = (r > eps_hi) & (a > 0)
+    elif loss_type == "sapo":
+        tau = torch.where(a > 0, temp_pos, temp_neg)
+        per = -torch.sigmoid(tau * (r - 1)) * 4 / tau * a
+        clipped = torch.zeros_like(r, dtype=torch.bool)
+    else:
+        r1 = r.clamp(max=delta) if delta is not None else r
+        per = -torch.minimum(r1 * a, r.clamp(1 - eps_lo, 1 + eps_hi) * a)
+        clipped = ((r < 1 - eps_lo) & (a < 0)) | ((r > 1 + eps_hi) & (a > 0))
+    per = per.expand(B, T)
+    clipped = clipped.expand(B, T)
+    kl = torch.exp(ref - lp) - (ref - lp) - 1
+    per = per + beta * kl
+    n = m.sum().clamp(min=1)
+    if loss_type in ("grpo", "sapo"):
+        loss = ((per * m).sum(-1) / m.sum(-1).clamp(min=1)).sum() / B
+    elif loss_type in ("bnpo", "dapo", "cispo"):
+        loss = (per * m).sum() / n
+    elif loss_type == "dr_grpo":
+        loss = (per * m).sum() / (B * L)
+    else:
+        raise AssertionError(loss_type)
+    return loss, ((kl * m).sum() / n, (clipped * m).sum() / n)
+
+
+LIGER_CASES = [
+    ("grpo", "token", None),
+    ("grpo", "sequence", None),
+    ("bnpo", "token", 1.4),
+    ("dapo", "token", None),
+    ("dapo", "sequence", None),
+    ("dr_grpo", "token", None),
+    ("cispo", "token", None),
+    ("sapo", "token", None),
+]
+
+
+@pytest.mark.parametrize("loss_type,level,delta", LIGER_CASES)
+def test_grpo_module_matches_liger_conventions(loss_type, level, delta):
+    B, T = 3, 5
+    h, w, y, old, adv, mask, ref, _ = _case(B=B, T=T, dtype=D, seed=7)
+    eps_hi = 4.0 if loss_type == "cispo" else 0.28
+    mod = FusedLinearGRPOLoss(
+        beta=0.1,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        epsilon_high=eps_hi,
+        max_completion_length=T,
+        delta=delta,
+        temperature=0.9,
+        chunk_size=2,
+        impl="torch",
+    )
+    hh = h.clone().requires_grad_(True)
+    loss, (kl, clip) = mod(hh, w, y, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)
+    (g,) = torch.autograd.grad(loss, [hh])
+
+    hr = h.clone().requires_grad_(True)
+    lp = torch.log_softmax((hr @ w.T) / 0.9, -1).gather(-1, y[..., None])[..., 0]
+    want, (kl_w, clip_w) = _liger_formula(
+        lp,
+        old,
+        ref,
+        adv,
+        mask.to(D),
+        loss_type=loss_type,
+        beta=0.1,
+        eps_lo=0.2,
+        eps_hi=eps_hi,
+        level=level,
+        delta=delta,
+        temp_pos=1.0,
+        temp_neg=1.05,
+        L=T,
+    )
+    (gw,) = torch.autograd.grad(want, [hr])
+    assert_close(loss, want, atol=1e-10, what="loss")
+    assert_close(g, gw, atol=1e-10, rtol=1e-9, what="grad")
+    assert_close(kl, kl_w, atol=1e-6, what="kl")  # metrics are fp32
+    assert_close(clip, clip_w, atol=1e-6, what="clip_ratio")
+
+
+def test_grpo_module_signature_and_return_shape():
+    mod = FusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=False, chunk_size=1)
+    h, w, y, old, adv, mask, _, _ = _case(B=2, T=3)
+    out = mod(h, w, y, mask, adv, None, None, old, None, None, None, None, 10)
+    loss, metrics = out
+    assert loss.dim() == 0 and isinstance(metrics, tuple) and len(metrics) == 1  # no KL entry when beta == 0
+    with pytest.raises(ValueError, match="max_completion_length"):
+        FusedLinearGRPOLoss(loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        FusedLinearGRPOLoss(loss_type="cispo", importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="loss_type"):
+        FusedLinearGRPOLoss(loss_type="nope")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel is not installed")
+@pytest.mark.parametrize("loss_type,level,delta", LIGER_CASES + [("vespo", "token", None)])
+def test_grpo_module_matches_liger_kernel(loss_type, level, delta):  # pragma: no cover - optional peer
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    B, T = 3, 5
+    h, w, y, old, adv, mask, ref, _ = _case(B=B, T=T, dtype=torch.float32, seed=9)
+    isr = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) + 0.5
+    isr = torch.where(mask > 0, isr, torch.ones_like(isr))  # bitrl ignores padding; Liger's vespo does not
+    kw = dict(
+        beta=0.1,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        epsilon_high=4.0 if loss_type == "cispo" else 0.28,
+        max_completion_length=T,
+        delta=delta,
+        temperature=0.9,
+        chunk_size=2,
+    )
+    outs = []
+    for mod in (LigerFusedLinearGRPOLoss(compiled=False, **kw), FusedLinearGRPOLoss(impl="torch", **kw)):
+        hh = h.clone().requires_grad_(True)
+        loss, mets = mod(
+            hh, w, y, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old, vllm_is_ratio=isr
+        )
+        (g,) = torch.autograd.grad(loss, [hh])
+        outs.append((loss.detach(), g, *[m.detach() for m in mets]))
+    for a, b in zip(*outs):
+        assert_close(b, a, atol=2e-5, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo"])
+def test_triton_matches_torch(loss_type):
+    dev = triton_device()
+    h, w, y, old, adv, mask, ref, roll = _case(B=3, T=4, H=16, V=37, device=dev)
+    kw = dict(KW, loss_type=loss_type, ref_logprobs=ref, rollout_logprobs=roll, chunk_size=2)
+    a = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", **kw)
+    b = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="triton", **kw)
+    for x, z in zip(a[:3], b[:3]):
+        assert_close(z.cpu(), x.cpu(), atol=1e-6, rtol=1e-5)
+    for k in a[3]:
+        assert_close(b[3][k].cpu(), a[3][k].cpu(), atol=1e-5, rtol=1e-4, what=k)
