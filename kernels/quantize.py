@@ -2,9 +2,8 @@
 
 They repeat, step for step, the float32 arithmetic of the torch reference in ``bitrl.quant.reference``
 (exponents read from the float32 bits, powers of two built from bits, IEEE division via ``tl.div_rn``,
-round-half-even by
-the 2**23 trick), so their output is bit-identical to it; ``tests/test_quant_triton.py`` checks that under
-``TRITON_INTERPRET=1``.
+round-half-even by the 2**23 trick), so their output is bit-identical to it; ``tests/test_quant_triton.py``
+checks that under ``TRITON_INTERPRET=1``.
 
 Element formats are passed duck-typed (any object with ``emin, emax, mbits, bits, bias, max, min_normal,
 min_subnormal``, e.g. ``bitrl.quant.E2M1``) so that this module does not import ``bitrl.quant``.
