@@ -23,14 +23,10 @@ import torch
 
 from ._common import FLOAT_DTYPES, check_tensor, compute_dtype, resolve_impl
 from .fused_logprobs import (
+    ChunkEngine,
     acc_dtype,
-    chunk_logits,
     default_chunk_size,
     fused_logprobs,
-    matmul_dtype,
-    mm_acc,
-    row_grad,
-    row_stats,
     validate_linear_inputs,
 )
 from .policy_loss import (
@@ -63,28 +59,37 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         need_ent,
         out,
         need_grad,
+        unit_t,
     ):
         B, T = plan.mask.shape
         acc = acc_dtype(hidden)
-        mm = matmul_dtype(hidden)
-        w_mm = weight.to(mm)
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         need_grad = bool(need_grad and (need_h or need_w or need_b))
         valid = targets != ignore_index
         y = torch.where(valid, targets, torch.zeros_like(targets)).long()
         use_triton_loss = backend == "triton" and triton_supported(plan) is None
+        eng = ChunkEngine(
+            hidden,
+            weight,
+            bias,
+            y,
+            valid,
+            inv_t,
+            chunk=rows_per_chunk * T,
+            backend=backend,
+            need_ent=need_ent,
+            unit_temperature=unit_t,
+        )
         dh = torch.empty_like(hidden) if need_grad and need_h else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad and need_w else None
         db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_grad and need_b else None
         total = torch.zeros((), dtype=plan.mask.dtype, device=hidden.device)
         parts_acc = None
-        ent_needed = need_ent
+        ent_grad = need_grad and plan.entropy_coef != 0
         for r0 in range(0, B, rows_per_chunk):
             r1 = min(B, r0 + rows_per_chunk)
             s, e = r0 * T, r1 * T
-            h = hidden[s:e]
-            z = chunk_logits(h, w_mm, bias, acc)
-            lp, ent, lse, mz = row_stats(backend, z, y[s:e], inv_t[s:e], valid[s:e], ent_needed)
+            lp, ent, _, _ = eng.forward(s, e)
             lp_rows = lp.view(r1 - r0, T)
             ent_rows = None if ent is None else ent.view(r1 - r0, T)
             rows = slice(r0, r1)
@@ -95,11 +100,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
                     lp_ = lp_rows.detach().to(plan.mask.dtype).requires_grad_(need_grad)
                     ent_ = None
                     if ent_rows is not None:
-                        ent_ = (
-                            ent_rows.detach()
-                            .to(plan.mask.dtype)
-                            .requires_grad_(need_grad and plan.entropy_coef != 0)
-                        )
+                        ent_ = ent_rows.detach().to(plan.mask.dtype).requires_grad_(ent_grad)
                     loss_c, parts = evaluate_rows(lp_, ent_, plan, rows)
                     g_lp = g_ent = None
                     if need_grad and loss_c.requires_grad:
@@ -112,25 +113,14 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
             parts_acc = merge_parts(parts_acc, parts)
             if need_grad:
                 vf = valid[s:e].to(acc)
-                g_lp = (
-                    torch.zeros(e - s, dtype=acc, device=hidden.device)
-                    if g_lp is None
-                    else g_lp.reshape(-1).to(acc) * vf
-                )
-                if g_ent is not None and plan.entropy_coef != 0:
-                    g_ent = g_ent.reshape(-1).to(acc) * vf
+                if g_lp is None:
+                    g_lp = torch.zeros(e - s, dtype=acc, device=hidden.device)
                 else:
-                    g_ent = None
-                dz = row_grad(backend, z, y[s:e], inv_t[s:e], lse, mz, g_lp, g_ent)
-                if db is not None:
-                    db += dz.sum(0)
-                dzm = dz.to(mm)
-                if dh is not None:
-                    dh[s:e] = (dzm @ w_mm).to(hidden.dtype)
-                if dw is not None:
-                    dw += mm_acc(dzm.t(), h.to(mm), acc)
-                del dz, dzm
-            del z
+                    g_lp = g_lp.reshape(-1).to(acc) * vf
+                g_ent = g_ent.reshape(-1).to(acc) * vf if (g_ent is not None and ent_grad) else None
+                dz = eng.grad(g_lp, g_ent)
+                eng.accumulate(dz, s, e, dh, dw, db)
+        del eng
         out["parts"] = parts_acc
         ctx.save_for_backward(
             dh,
@@ -146,7 +136,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         def sc(g):
             return None if g is None else g * grad_out.to(g.dtype)
 
-        return sc(dh), sc(dw), sc(db), None, None, None, None, None, None, None, None, None
+        return (sc(dh), sc(dw), sc(db)) + (None,) * 10
 
 
 def _flatten_hidden(hidden, B, T):
@@ -302,8 +292,9 @@ def fused_linear_policy_loss(
     need_ent = bool(compute_entropy or entropy_coef)
     out: dict = {}
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))
+    unit_t = not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0
     loss = FusedLinearPolicyLossFunction.apply(
-        h2, weight, bias, y, inv_t, plan, int(ignore_index), rows, impl, need_ent, out, need_grad
+        h2, weight, bias, y, inv_t, plan, int(ignore_index), rows, impl, need_ent, out, need_grad, unit_t
     )
     return loss, finalize_metrics(out["parts"], plan, has_entropy=need_ent)
 

@@ -117,61 +117,141 @@ def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return (a @ b).to(acc)
 
 
-def chunk_logits(h: torch.Tensor, w_mm: torch.Tensor, bias: torch.Tensor | None, acc: torch.dtype):
-    """[c, V] logits of one chunk in the accumulation dtype (temperature not applied)."""
-    z = mm_acc(h.to(w_mm.dtype), w_mm.t(), acc)
-    if bias is not None:
-        z += bias.to(acc)
-    return z
-
-
 def _finfo_min(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
-def row_stats_torch(
-    z: torch.Tensor, y: torch.Tensor, inv_t: torch.Tensor, valid: torch.Tensor, need_ent: bool
-):
-    """Per-row (log-prob of y, entropy, lse, E_p[z]) of z * inv_t. Does not modify ``z``."""
-    zs = z * inv_t.unsqueeze(-1)
-    zs.clamp_(min=_finfo_min(zs.dtype))
-    m = zs.amax(dim=-1, keepdim=True)
-    e = (zs - m).exp_()
-    s = e.sum(dim=-1)
-    lse = m.squeeze(-1) + s.log()
-    lp = zs.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
-    if need_ent:
-        mz = e.mul_(zs).sum(dim=-1) / s
-        ent = lse - mz
-    else:
-        mz = torch.zeros_like(lse)
-        ent = None
-    del e, zs
-    zero = torch.zeros_like(lp)
-    lp = torch.where(valid, lp, zero)
-    if ent is not None:
-        ent = torch.where(valid, ent, zero)
-    return lp, ent, lse, mz
+def _bmm_rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum(a * b, -1) for [c, V] tensors without a [c, V] temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
-def row_grad_torch(z, y, inv_t, lse, mz, g_lp, g_ent):
-    """d(loss)/d(raw logits) for one chunk, written into ``z`` (which is overwritten and returned).
+class ChunkEngine:
+    """The per-chunk work shared by ``fused_logprobs`` and ``fused_linear_policy_loss``.
 
-    g_lp / g_ent are [c] fp32 gradients of the loss w.r.t. the log-prob / entropy (zero on ignored rows);
-    ``g_ent=None`` skips the entropy term.
+    Holds one (two with entropy) reusable [chunk, V] fp32 workspace(s), so no chunk allocates or page-faults
+    fresh memory. ``forward(s, e)`` forms the logits of tokens [s, e) and returns
+    (logprob, entropy | None, lse, E_p[z]); ``grad(g_lp, g_ent)`` then turns the loss gradients w.r.t. the
+    log-prob / entropy of the same chunk into d loss / d logits (in the workspace), and
+    ``accumulate(dz, s, e, dh, dw, db)`` runs the two backward matmuls (dW accumulated in fp32).
+
+    Torch backend, no entropy: the logits buffer is exponentiated in place (p = e / sum e), so one [c, V]
+    buffer and about five passes over it cover forward and gradient. With entropy, a second buffer keeps
+    z - max. Triton backend: the row kernels read the logits and write the gradient in place.
     """
-    zs = z.mul_(inv_t.unsqueeze(-1))
-    zs.clamp_(min=_finfo_min(zs.dtype))
-    p = (zs - lse.unsqueeze(-1)).exp_()
-    if g_ent is not None:
-        # dz = -g_lp p - g_H p (z - E_p[z]) + g_lp onehot
-        zs.sub_(mz.unsqueeze(-1)).mul_(-g_ent.unsqueeze(-1)).sub_(g_lp.unsqueeze(-1)).mul_(p)
-    else:
-        torch.mul(p, (-g_lp).unsqueeze(-1), out=zs)
-    del p
-    zs.scatter_add_(-1, y.unsqueeze(-1), g_lp.unsqueeze(-1).to(zs.dtype))
-    zs.mul_(inv_t.unsqueeze(-1))
-    return zs
+
+    def __init__(self, hidden, weight, bias, y, valid, inv_t, *, chunk, backend, need_ent, unit_temperature):
+        self.hidden, self.bias, self.y, self.valid, self.inv_t = hidden, bias, y, valid, inv_t
+        self.backend, self.need_ent = backend, need_ent
+        self.acc = acc_dtype(hidden)
+        self.mm = matmul_dtype(hidden)
+        self.w_mm = weight if weight.dtype == self.mm else weight.to(self.mm)
+        self.scale = not unit_temperature
+        # -inf bias entries (masked vocabulary) or a low-precision matmul output need clamping to stay finite
+        self.clamp = self.mm != self.acc or (bias is not None and bool(torch.isinf(bias).any()))
+        self.bias_acc = None if bias is None else bias.to(self.acc)
+        c = max(1, min(chunk, hidden.shape[0]))
+        V = weight.shape[0]
+        dev = hidden.device
+        self.zbuf = torch.empty(c, V, dtype=self.acc, device=dev)
+        self.ebuf = (
+            torch.empty(c, V, dtype=self.acc, device=dev) if (need_ent and backend == "torch") else None
+        )
+
+    def logits(self, s: int, e: int) -> torch.Tensor:
+        h = self.hidden[s:e]
+        z = self.zbuf[: e - s]
+        if self.mm == self.acc:
+            torch.mm(h.to(self.mm), self.w_mm.t(), out=z)
+        else:
+            z.copy_(mm_acc(h.to(self.mm), self.w_mm.t(), self.acc))
+        if self.bias_acc is not None:
+            z.add_(self.bias_acc)
+        return z
+
+    def forward(self, s: int, e: int, need_ent: bool | None = None):
+        need_ent = self.need_ent if need_ent is None else need_ent
+        z = self.logits(s, e)
+        y, valid, inv_t = self.y[s:e], self.valid[s:e], self.inv_t[s:e]
+        self._rows = (s, e)
+        if self.backend == "triton":
+            lp, ent, lse, mz = row_stats_triton(z, y, inv_t, valid, need_ent)
+            self._state = (z, lse, mz)
+            return lp, ent, lse, mz
+        if self.scale:
+            z.mul_(inv_t.unsqueeze(-1))
+        if self.clamp:
+            z.clamp_(min=_finfo_min(z.dtype))
+        m = z.amax(dim=-1, keepdim=True)
+        zy = z.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        z.sub_(m)
+        m = m.squeeze(-1)
+        if need_ent and self.ebuf is not None:
+            ebuf = self.ebuf[: e - s]
+            torch.exp(z, out=ebuf)
+            sum_e = ebuf.sum(-1)
+            pzm = _bmm_rowdot(ebuf, z) / sum_e  # E_p[z - m]
+            ent = torch.log(sum_e) - pzm
+            self._state = ("ent", z, ebuf, sum_e, pzm)
+        else:
+            z.exp_()
+            sum_e = z.sum(-1)
+            pzm = torch.zeros_like(sum_e)
+            ent = None
+            self._state = ("noent", z, sum_e)
+        lse = m + torch.log(sum_e)
+        lp = zy - lse
+        zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+        lp = torch.where(valid, lp, zero)
+        if ent is not None:
+            ent = torch.where(valid, ent, zero)
+        return lp, ent, lse, pzm + m
+
+    def grad(self, g_lp: torch.Tensor, g_ent: torch.Tensor | None) -> torch.Tensor:
+        """d loss / d raw logits of the last ``forward`` chunk (overwrites the workspace)."""
+        s, e = self._rows
+        y, inv_t = self.y[s:e], self.inv_t[s:e]
+        g_lp = g_lp.to(self.acc)
+        if self.backend == "triton":
+            z, lse, mz = self._state
+            return row_grad_triton(z, y, inv_t, lse, mz, g_lp, g_ent)
+        if self._state[0] == "ent":
+            _, zm, p, sum_e, pzm = self._state
+            p.mul_((1.0 / sum_e).unsqueeze(-1))
+            if g_ent is not None:
+                # dz = -g_lp p - g_H p (z - E_p[z]) + g_lp onehot  (z - E_p[z] = zm - pzm)
+                g_ent = g_ent.to(self.acc)
+                zm.sub_(pzm.unsqueeze(-1)).mul_(-g_ent.unsqueeze(-1)).sub_(g_lp.unsqueeze(-1)).mul_(p)
+                dz = zm
+            else:
+                dz = p.mul_(-g_lp.unsqueeze(-1))
+        else:
+            if g_ent is not None:
+                raise RuntimeError("entropy gradient requested from a chunk computed without entropy")
+            _, ez, sum_e = self._state
+            dz = ez.mul_((-g_lp / sum_e).unsqueeze(-1))
+        dz.scatter_add_(-1, y.unsqueeze(-1), g_lp.unsqueeze(-1))
+        if self.scale:
+            dz.mul_(inv_t.unsqueeze(-1))
+        return dz
+
+    def accumulate(self, dz, s, e, dh, dw, db):
+        """dh[s:e] = dz @ W, dw += dz^T h (fp32), db += sum(dz)."""
+        if db is not None:
+            db += dz.sum(0)
+        dzm = dz if dz.dtype == self.mm else dz.to(self.mm)
+        if dh is not None:
+            if dh.dtype == self.mm:
+                torch.mm(dzm, self.w_mm, out=dh[s:e])
+            else:
+                dh[s:e] = (dzm @ self.w_mm).to(dh.dtype)
+        if dw is not None:
+            h = self.hidden[s:e]
+            h = h if h.dtype == self.mm else h.to(self.mm)
+            if self.mm == self.acc:
+                dw.addmm_(dzm.t(), h)
+            else:
+                dw += mm_acc(dzm.t(), h, self.acc)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -317,14 +397,6 @@ def row_grad_triton(z, y, inv_t, lse, mz, g_lp, g_ent):
     return z
 
 
-def row_stats(backend, *args):
-    return (row_stats_triton if backend == "triton" else row_stats_torch)(*args)
-
-
-def row_grad(backend, *args):
-    return (row_grad_triton if backend == "triton" else row_grad_torch)(*args)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # validation shared by fused_logprobs and fused_linear_policy_loss
 # ----------------------------------------------------------------------------------------------------------
@@ -383,77 +455,77 @@ class FusedLogprobsFunction(torch.autograd.Function):
     """Chunked hidden->log-prob/entropy with recomputation in backward. Returns (lp [N], entropy [N])."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, need_ent, chunk, backend):
+    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, need_ent, chunk, backend, unit_t):
         N, _ = hidden.shape
         acc = acc_dtype(hidden)
-        w_mm = weight.to(matmul_dtype(hidden))
         valid = targets != ignore_index
         y = torch.where(valid, targets, torch.zeros_like(targets)).long()
+        eng = ChunkEngine(
+            hidden,
+            weight,
+            bias,
+            y,
+            valid,
+            inv_t,
+            chunk=chunk,
+            backend=backend,
+            need_ent=need_ent,
+            unit_temperature=unit_t,
+        )
         lp = torch.empty(N, dtype=acc, device=hidden.device)
         ent = torch.empty(N if need_ent else 0, dtype=acc, device=hidden.device)
-        lse = torch.empty(N, dtype=acc, device=hidden.device)
-        mz = torch.empty(N, dtype=acc, device=hidden.device)
         for s in range(0, N, chunk):
             e = min(N, s + chunk)
-            z = chunk_logits(hidden[s:e], w_mm, bias, acc)
-            lp_c, ent_c, lse_c, mz_c = row_stats(backend, z, y[s:e], inv_t[s:e], valid[s:e], need_ent)
+            lp_c, ent_c, _, _ = eng.forward(s, e)
             lp[s:e] = lp_c
-            lse[s:e] = lse_c
-            mz[s:e] = mz_c
             if need_ent:
                 ent[s:e] = ent_c
-            del z
-        ctx.save_for_backward(hidden, weight, bias, y, valid, inv_t, lse, mz)
-        ctx.chunk = chunk
-        ctx.backend = backend
+        del eng
+        ctx.save_for_backward(hidden, weight, bias, y, valid, inv_t)
+        ctx.cfg = (chunk, backend, unit_t)
         ctx.set_materialize_grads(False)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, bias, y, valid, inv_t, lse, mz = ctx.saved_tensors
+        hidden, weight, bias, y, valid, inv_t = ctx.saved_tensors
+        chunk, backend, unit_t = ctx.cfg
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        if g_lp is None and (g_ent is None or g_ent.numel() == 0):
-            return (None,) * 9
-        N, H = hidden.shape
-        acc = acc_dtype(hidden)
-        mm = matmul_dtype(hidden)
-        w_mm = weight.to(mm)
-        vf = valid.to(acc)
-        g_lp = torch.zeros(N, dtype=acc, device=hidden.device) if g_lp is None else g_lp.to(acc) * vf
         if g_ent is not None and g_ent.numel() == 0:
             g_ent = None
+        if g_lp is None and g_ent is None:
+            return (None,) * 10
+        N, _ = hidden.shape
+        acc = acc_dtype(hidden)
+        vf = valid.to(acc)
+        g_lp = torch.zeros(N, dtype=acc, device=hidden.device) if g_lp is None else g_lp.to(acc) * vf
         if g_ent is not None:
             g_ent = g_ent.to(acc) * vf
+        eng = ChunkEngine(
+            hidden,
+            weight,
+            bias,
+            y,
+            valid,
+            inv_t,
+            chunk=chunk,
+            backend=backend,
+            need_ent=g_ent is not None,
+            unit_temperature=unit_t,
+        )
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
-        for s in range(0, N, ctx.chunk):
-            e = min(N, s + ctx.chunk)
-            h = hidden[s:e]
-            z = chunk_logits(h, w_mm, bias, acc)
-            dz = row_grad(
-                ctx.backend,
-                z,
-                y[s:e],
-                inv_t[s:e],
-                lse[s:e],
-                mz[s:e],
-                g_lp[s:e],
-                None if g_ent is None else g_ent[s:e],
-            )
-            if need_b:
-                db += dz.sum(0)
-            dzm = dz.to(mm)
-            if need_h:
-                dh[s:e] = (dzm @ w_mm).to(hidden.dtype)
-            if need_w:
-                dw += mm_acc(dzm.t(), h.to(mm), acc)
-            del z, dz, dzm
+        for s in range(0, N, chunk):
+            e = min(N, s + chunk)
+            eng.forward(s, e)
+            dz = eng.grad(g_lp[s:e], None if g_ent is None else g_ent[s:e])
+            eng.accumulate(dz, s, e, dh, dw, db)
         return (
             dh,
             None if dw is None else dw.to(weight.dtype),
             None if db is None else db.to(bias.dtype),
+            None,
             None,
             None,
             None,
@@ -508,7 +580,8 @@ def fused_logprobs(
     chunk = int(chunk_size) if chunk_size else default_chunk_size(weight.shape[0])
     if chunk <= 0:
         raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
+    unit_t = not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0
     lp, ent = FusedLogprobsFunction.apply(
-        hidden, weight, bias, targets, inv_t, int(ignore_index), bool(return_entropy), chunk, impl
+        hidden, weight, bias, targets, inv_t, int(ignore_index), bool(return_entropy), chunk, impl, unit_t
     )
     return lp, (ent if return_entropy else None)
