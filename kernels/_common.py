@@ -124,5 +124,15 @@ def compute_dtype(*tensors) -> torch.dtype:
     return torch.float32
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """True when ``x`` holds no NaN/inf; one reduction pass (aminmax propagates NaN), no temporaries."""
+    if x.numel() == 0:
+        return True
+    if not x.is_floating_point():
+        return True
+    mn, mx = torch.aminmax(x)
+    return bool(torch.isfinite(mn) & torch.isfinite(mx))
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()

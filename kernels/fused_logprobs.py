@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ._common import (
     FLOAT_DTYPES,
     HAS_TRITON,
+    all_finite,
     check_same_device,
     check_tensor,
     next_pow2,
@@ -437,9 +438,9 @@ def validate_linear_inputs(hidden, weight, targets, bias, temperature, *, check_
             raise ValueError(f"temperature: must be finite and > 0, got {tf}")
         inv_t = torch.full((N,), 1.0 / tf, dtype=acc, device=hidden.device)
     if check_finite:
-        if not bool(torch.isfinite(hidden).all()):
+        if not all_finite(hidden):
             raise ValueError("hidden: contains NaN or inf")
-        if not bool(torch.isfinite(weight).all()):
+        if not all_finite(weight):
             raise ValueError("weight: contains NaN or inf")
         if bias is not None and bool((torch.isnan(bias) | (bias == float("inf"))).any()):
             raise ValueError("bias: contains NaN or +inf (-inf entries, which mask tokens, are allowed)")
