@@ -349,8 +349,11 @@ if HAS_TRITON:
             tl.store(dz_row + cols, dz.to(DZ.dtype.element_ty), mask=inb)
 
 
+BLOCK_V_MAX = 4096  # vocabulary tile of the row kernels (tests lower it to exercise the tile loop)
+
+
 def _block_v(V: int) -> int:
-    return min(4096, max(16, next_pow2(V)))
+    return min(BLOCK_V_MAX, max(16, next_pow2(V)))
 
 
 def row_stats_triton(z, y, inv_t, valid, need_ent):

@@ -352,9 +352,10 @@ def finalize_metrics(parts: dict, plan: Plan, has_entropy: bool = False) -> dict
 
 _TRITON_LOSSES = {"grpo": 0, "cispo": 1, "sapo": 2}
 _TRITON_KL = {"k1": 1, "k2": 2, "k3": 3}
-_NPART = (
-    12  # pg, kl_term, ent_term, n, clip_low, clip_high, clip_dual, ratio_sum, kl_sum, ent_sum, rmin, rmax
-)
+# partial sums per program: pg, kl_term, ent_term, n, clip_low, clip_high, clip_dual, ratio_sum, kl_sum,
+# ent_sum, ratio_min, ratio_max
+_NPART = 12
+POLICY_BLOCK = 1024  # elements per program of the policy-loss kernel (tests lower it)
 
 if HAS_TRITON:
     import triton
@@ -514,7 +515,7 @@ def evaluate_triton(lp: torch.Tensor, ent: torch.Tensor | None, plan: Plan, rows
 
     lp_f = lp.detach().reshape(-1).to(f32).contiguous()
     old_f = lp_f if plan.old is None else flat(plan.old)
-    BLOCK = 1024
+    BLOCK = POLICY_BLOCK
     nblk = max(1, triton.cdiv(n, BLOCK))
     part = torch.empty(nblk, _NPART, dtype=f32, device=dev)
     dlp = torch.empty(n, dtype=f32, device=dev)
