@@ -210,12 +210,18 @@ def quantize_reference(
         scaled = xb / s[:, None, :, None]
         scale = s
     scaled = scaled.reshape(-1, kp)[:rows]
-    mag = ref.round_to_element(scaled.abs(), elem, spec.rounding, noise)
-    neg = torch.signbit(scaled)
-    if f.packed:
-        data = ref.pack_fp4(ref.encode_element(mag, neg, elem))
+    if spec.rounding == "nearest" and f.packed and elem.name == "e2m1":
+        data = ref.pack_fp4(ref.encode_e2m1_nearest(scaled))  # fast path, same bits
+    elif spec.rounding == "nearest" and not f.packed:
+        # torch's float8 casts round half to even and are exact on the clamped range (tested bit for bit)
+        data = scaled.clamp(-elem.max, elem.max).to(elem.torch_dtype)
     else:
-        data = torch.where(neg, -mag, mag).to(elem.torch_dtype)
+        mag = ref.round_to_element(scaled.abs(), elem, spec.rounding, noise)
+        neg = torch.signbit(scaled)
+        if f.packed:
+            data = ref.pack_fp4(ref.encode_element(mag, neg, elem))
+        else:
+            data = torch.where(neg, -mag, mag).to(elem.torch_dtype)
     return data, scale, ts
 
 

@@ -71,6 +71,40 @@ def encode_element(v: torch.Tensor, negative: torch.Tensor, elem: ElementFormat)
 
 
 _DECODE_CACHE: dict[tuple[str, torch.device], torch.Tensor] = {}
+_PAIR_CACHE: dict[tuple[str, torch.device], torch.Tensor] = {}
+_BND_CACHE: dict[torch.device, torch.Tensor] = {}
+
+
+def e2m1_boundaries(device) -> torch.Tensor:
+    """Decision boundaries of round-half-even onto the E2M1 grid, for ``torch.bucketize(a, b)`` (which counts
+    the boundaries strictly below ``a``): ties that go up (0.75, 1.75, 3.5: to the even code above) use the
+    float32 just below the midpoint, ties that go down (0.25, 1.25, 2.5, 5) the midpoint itself."""
+    b = _BND_CACHE.get(device)
+    if b is None:
+        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+        down = torch.nextafter(mids, torch.zeros(()))
+        up_ties = torch.tensor([False, True, False, True, False, True, False])
+        b = torch.where(up_ties, down, mids).to(device)
+        _BND_CACHE[device] = b
+    return b
+
+
+def encode_e2m1_nearest(scaled: torch.Tensor) -> torch.Tensor:
+    """Fast path, bit-identical to ``encode_element(round_to_element(|s|, E2M1), signbit(s), E2M1)``."""
+    mag = torch.bucketize(scaled.abs(), e2m1_boundaries(scaled.device), out_int32=True).to(torch.uint8)
+    return mag | (torch.signbit(scaled).to(torch.uint8) << 3)
+
+
+def decode_fp4_packed(packed: torch.Tensor, elem: ElementFormat) -> torch.Tensor:
+    """float32 values of packed FP4 bytes ``(..., n)`` -> ``(..., 2n)`` through a 256 x 2 lookup table."""
+    key = (elem.name, packed.device)
+    lut = _PAIR_CACHE.get(key)
+    if lut is None:
+        t = elem.decode_table()
+        b = torch.arange(256)
+        lut = torch.stack((t[b & 0xF], t[b >> 4]), dim=-1).to(packed.device)
+        _PAIR_CACHE[key] = lut
+    return lut[packed.long()].reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def decode_element(codes: torch.Tensor, elem: ElementFormat) -> torch.Tensor:

@@ -79,7 +79,7 @@ class QuantizedTensor:
     def element_values(self) -> torch.Tensor:
         """Unscaled element values as float32 ``(R, Kp)``."""
         if self.fmt.packed:
-            return ref.decode_element(self.codes(), self.fmt.element)
+            return ref.decode_fp4_packed(self.data, self.fmt.element)
         return self.data.to(torch.float32)
 
     def scale_fp32(self) -> torch.Tensor:
