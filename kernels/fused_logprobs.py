@@ -14,10 +14,10 @@ Implementations (``impl=``, or ``BITRL_KERNEL_IMPL``):
   over the vocabulary) and the in-place gradient as Triton kernels; matmuls stay on cuBLAS.
 
 Numerics: log-sum-exp, entropy and dW accumulate in fp32 (fp64 when the inputs are fp64). ``-inf`` logits
-(for instance from a ``-inf`` bias entry masking part of the vocabulary) are clamped to the most negative
-finite float so that p = 0 there exactly and no NaN appears. Non-finite hidden/weight values, NaN or +inf in
-the bias, and non-positive temperatures raise ``ValueError``. Rows whose target is ``ignore_index`` get
-log-prob 0 and entropy 0 and no gradient.
+(for instance from a ``-inf`` bias entry masking part of the vocabulary) are clamped to -1e30 so that
+p = 0 there exactly and no NaN appears (a target on such an entry gets log-prob about -1e30).
+Non-finite hidden/weight values, NaN or +inf in the bias, and non-positive temperatures raise
+``ValueError``. Rows whose target is ``ignore_index`` get log-prob 0 and entropy 0 and no gradient.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return (a @ b).to(acc)
 
 
-def _finfo_min(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).min
+# -inf logits are clamped to this value: exp() of it is exactly 0, and products with any gradient stay finite
+NEG_LOGIT = -1.0e30
 
 
 def _bmm_rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -182,7 +182,7 @@ class ChunkEngine:
         if self.scale:
             z.mul_(inv_t.unsqueeze(-1))
         if self.clamp:
-            z.clamp_(min=_finfo_min(z.dtype))
+            z.clamp_(min=NEG_LOGIT)
         m = z.amax(dim=-1, keepdim=True)
         zy = z.gather(-1, y.unsqueeze(-1)).squeeze(-1)
         z.sub_(m)
@@ -282,7 +282,7 @@ if HAS_TRITON:
         y = tl.load(Y + row)
         inv_t = tl.load(INV_T + row)
         valid = tl.load(VALID + row)
-        neg = -3.0e38
+        neg = -1.0e30
         m = neg
         s = 0.0
         t = 0.0
@@ -334,7 +334,7 @@ if HAS_TRITON:
         if HAS_GENT:
             g_ent = tl.load(GENT + row)
             mz = tl.load(MZ + row)
-        neg = -3.0e38
+        neg = -1.0e30
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             inb = cols < V
