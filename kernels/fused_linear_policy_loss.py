@@ -132,9 +132,14 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         dh, dw, db = ctx.saved_tensors
+        # the usual case is loss.backward() with grad_out == 1: hand the precomputed gradients over as they
+        # are instead of allocating scaled copies (a [V, H] copy would cost as much as the whole workspace)
+        unit = bool(torch.equal(grad_out, torch.ones_like(grad_out)))
 
         def sc(g):
-            return None if g is None else g * grad_out.to(g.dtype)
+            if g is None:
+                return None
+            return g if unit else g * grad_out.to(g.dtype)
 
         return (sc(dh), sc(dw), sc(db)) + (None,) * 10
 

@@ -306,3 +306,14 @@ def test_triton_matches_torch(loss_type):
         assert_close(z.cpu(), x.cpu(), atol=1e-6, rtol=1e-5)
     for k in a[3]:
         assert_close(b[3][k].cpu(), a[3][k].cpu(), atol=1e-5, rtol=1e-4, what=k)
+
+
+def test_upstream_gradient_is_applied():
+    h, w, y, old, adv, mask, _, _ = _case(B=2, T=3, dtype=D, seed=5)
+    grads = []
+    for scale in (1.0, -2.5):
+        hh = h.clone().requires_grad_(True)
+        loss, _ = fused_linear_policy_loss(hh, w, y, old, adv, mask, impl="torch")
+        (g,) = torch.autograd.grad(loss * scale, [hh])
+        grads.append(g)
+    assert_close(grads[1], -2.5 * grads[0], atol=1e-12, rtol=1e-12)
