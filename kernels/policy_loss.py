@@ -134,16 +134,26 @@ def build_plan(
     if any(n != "none" for n in names) and roll is None:
         raise ValueError("rollout_logprobs: required when correction != 'none'")
 
+    named = [
+        (name, x)
+        for name, x in (
+            ("logprobs", logprobs_for_checks),
+            ("old_logprobs", old),
+            ("advantages", adv),
+            ("ref_logprobs", ref),
+            ("rollout_logprobs", roll),
+        )
+        if x is not None
+    ]
+    bads = [~torch.isfinite(x.detach()) & valid for _, x in named]
     bad = torch.zeros(B, T, dtype=torch.bool, device=device)
-    for name, x in (
-        ("logprobs", logprobs_for_checks),
-        ("old_logprobs", old),
-        ("advantages", adv),
-        ("ref_logprobs", ref),
-        ("rollout_logprobs", roll),
-    ):
-        if x is not None:
-            bad |= _nonfinite(name, x.detach(), valid, nonfinite)
+    for b in bads:
+        bad |= b
+    if nonfinite == "raise" and bads:
+        counts = torch.stack([b.sum() for b in bads]).tolist()  # one device sync for all inputs
+        for (name, _), n in zip(named, counts):
+            if n:
+                raise ValueError(f"{name}: {int(n)} non-finite value(s) at unmasked positions")
     finite_valid = valid & ~bad
 
     def clean(x):
