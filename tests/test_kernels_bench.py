@@ -1,0 +1,32 @@
+"""`bitrl bench` smoke test at tiny sizes (the real figures come from `bitrl bench`, never from tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bitrl.kernels import bench
+
+
+def test_bench_cli_tiny(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--N", "32", "--H", "8", "--V", "50", "--B", "4", "--reps", "1", "--no-memory"]
+    args += ["--json", str(out)]
+    assert bench.main(args) == 0
+    text = capsys.readouterr().out
+    assert "GPU section skipped" in text or "gpu" in text
+    rows = json.loads(out.read_text())
+    names = {(r["op"], r["variant"]) for r in rows}
+    assert {("grpo", "naive torch"), ("grpo", "bitrl"), ("logprobs", "bitrl")} <= names
+    assert all(r["time_s"] > 0 for r in rows)
+
+
+def test_peak_rss_is_measured_in_a_subprocess():
+    mib = bench.peak_rss_subprocess("grpo", "naive torch", dict(N=256, H=16, V=2048, B=4), "fp32")
+    assert mib is not None and mib >= 0
+
+
+def test_bench_rejects_bad_shapes():
+    with pytest.raises(SystemExit):
+        bench.main(["--N", "10", "--B", "3", "--no-memory"])
