@@ -289,7 +289,7 @@ def fused_linear_policy_loss(
     ):
         raise ValueError("old_logprobs: required for a rollout correction in fused_linear_policy_loss")
     if chunk_size is None:
-        rows = max(1, default_chunk_size(weight.shape[0]) // max(T, 1))
+        rows = max(1, default_chunk_size(weight.shape[0], h2.device) // max(T, 1))
     else:
         rows = int(chunk_size)
         if rows <= 0:

@@ -37,14 +37,16 @@ from ._common import (
 
 __all__ = ["fused_logprobs", "fused_logprobs_reference", "default_chunk_size"]
 
-# Bytes of fp32 logits one chunk may hold. 64 MiB keeps the torch path's peak far below the unfused path
-# while each chunk's matmul stays large enough to run at full speed.
-CHUNK_BYTES = 64 * 2**20
+# Bytes of fp32 logits one chunk may hold. On CPU, 64 MiB keeps the peak far below the unfused path while
+# each chunk's matmul still runs at full speed; on a GPU, chunks must be large enough to fill the machine.
+CHUNK_BYTES = {"cpu": 64 * 2**20, "cuda": 1024 * 2**20}
 
 
-def default_chunk_size(vocab: int, budget_bytes: int = CHUNK_BYTES) -> int:
-    """Tokens per chunk so that one fp32 [chunk, V] logits tile stays within ``budget_bytes``."""
-    return max(16, min(8192, budget_bytes // (4 * max(int(vocab), 1))))
+def default_chunk_size(vocab: int, device: torch.device | str = "cpu", budget_bytes: int | None = None):
+    """Tokens per chunk so that one fp32 [chunk, V] logits tile stays within the device's budget."""
+    dev = torch.device(device).type
+    budget = budget_bytes if budget_bytes is not None else CHUNK_BYTES.get(dev, CHUNK_BYTES["cpu"])
+    return max(16, min(65536, budget // (4 * max(int(vocab), 1))))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -158,6 +160,10 @@ class ChunkEngine:
         self.ebuf = (
             torch.empty(c, V, dtype=self.acc, device=dev) if (need_ent and backend == "torch") else None
         )
+        # Triton writes d logits straight in the matmul dtype (bf16 on GPU): no separate cast pass
+        self.dzbuf = None
+        if backend == "triton" and self.mm != self.acc:
+            self.dzbuf = torch.empty(c, V, dtype=self.mm, device=dev)
 
     def logits(self, s: int, e: int) -> torch.Tensor:
         h = self.hidden[s:e]
@@ -215,7 +221,8 @@ class ChunkEngine:
         g_lp = g_lp.to(self.acc)
         if self.backend == "triton":
             z, lse, mz = self._state
-            return row_grad_triton(z, y, inv_t, lse, mz, g_lp, g_ent)
+            out = None if self.dzbuf is None else self.dzbuf[: e - s]
+            return row_grad_triton(z, y, inv_t, lse, mz, g_lp, g_ent, out=out)
         if self._state[0] == "ent":
             _, zm, p, sum_e, pzm = self._state
             p.mul_((1.0 / sum_e).unsqueeze(-1))
@@ -239,7 +246,7 @@ class ChunkEngine:
     def accumulate(self, dz, s, e, dh, dw, db):
         """dh[s:e] = dz @ W, dw += dz^T h (fp32), db += sum(dz)."""
         if db is not None:
-            db += dz.sum(0)
+            db += dz.sum(0, dtype=self.acc)
         dzm = dz if dz.dtype == self.mm else dz.to(self.mm)
         if dh is not None:
             if dh.dtype == self.mm:
@@ -380,14 +387,16 @@ def row_stats_triton(z, y, inv_t, valid, need_ent):
     return lp, (ent if need_ent else None), lse, mz
 
 
-def row_grad_triton(z, y, inv_t, lse, mz, g_lp, g_ent):
+def row_grad_triton(z, y, inv_t, lse, mz, g_lp, g_ent, out=None):
+    """d loss / d logits, written into ``out`` (any float dtype, e.g. bf16 for the next matmuls) or ``z``."""
     c, V = z.shape
+    out = z if out is None else out
     if c:
         _logprob_rows_bwd_kernel[(c,)](
             z,
             z.stride(0),
-            z,
-            z.stride(0),
+            out,
+            out.stride(0),
             inv_t.to(torch.float32).contiguous(),
             y.contiguous(),
             lse.to(torch.float32).contiguous(),
@@ -398,7 +407,7 @@ def row_grad_triton(z, y, inv_t, lse, mz, g_lp, g_ent):
             HAS_GENT=g_ent is not None,
             BLOCK_V=_block_v(V),
         )
-    return z
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -581,7 +590,7 @@ def fused_logprobs(
             ignore_index=ignore_index,
             return_entropy=return_entropy,
         )
-    chunk = int(chunk_size) if chunk_size else default_chunk_size(weight.shape[0])
+    chunk = int(chunk_size) if chunk_size else default_chunk_size(weight.shape[0], hidden.device)
     if chunk <= 0:
         raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
     unit_t = not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0

@@ -265,3 +265,22 @@ def test_triton_forced_without_backend_is_a_clear_error(monkeypatch):
     h, w, y, _ = _inputs(2, 4, 5, torch.float32)
     with pytest.raises(RuntimeError, match="triton"):
         fused_logprobs(h, w, y, impl="triton")
+
+
+@needs_triton
+def test_triton_gradient_written_in_low_precision_buffer():
+    """On a GPU the row kernel writes d logits straight into a bf16 buffer for the next matmuls."""
+    dev = triton_device()
+    g = torch.Generator().manual_seed(0)
+    c, V = 5, 37
+    z = torch.randn(c, V, generator=g).to(dev)
+    y = torch.randint(0, V, (c,), generator=g).to(dev)
+    inv_t = torch.full((c,), 1.25, device=dev)
+    valid = torch.ones(c, dtype=torch.bool, device=dev)
+    lp, ent, lse, mz = fl.row_stats_triton(z, y, inv_t, valid, True)
+    g_lp, g_ent = torch.randn(c, generator=g).to(dev), torch.randn(c, generator=g).to(dev)
+    out = torch.empty(c, V, dtype=torch.bfloat16, device=dev)
+    low = fl.row_grad_triton(z, y, inv_t, lse, mz, g_lp, g_ent, out=out)
+    full = fl.row_grad_triton(z.clone(), y, inv_t, lse, mz, g_lp, g_ent)
+    assert low.dtype == torch.bfloat16 and low.data_ptr() == out.data_ptr()
+    assert_close(low.float().cpu(), full.cpu(), atol=1e-6, rtol=1e-2)
