@@ -90,8 +90,17 @@ def check_input(x, *, name: str = "x") -> None:
         raise ValueError(
             f"{name} must have at least one dimension and one element, got shape {tuple(x.shape)}"
         )
-    if not bool(torch.isfinite(x).all()):
+    global_amax(x, name=name)
+
+
+def global_amax(x: torch.Tensor, *, name: str = "x") -> torch.Tensor:
+    """max |x| as a float32 0-d tensor, in one pass (``aminmax``); ValueError on NaN / inf (which
+    propagate)."""
+    mn, mx = torch.aminmax(x)
+    amax = torch.maximum(-mn, mx).to(torch.float32).abs()  # abs turns -0.0 into +0.0
+    if not bool(torch.isfinite(amax)):
         raise ValueError(f"{name} contains NaN or inf; quantization needs finite input")
+    return amax
 
 
 def _uniforms(shape, seed, device) -> torch.Tensor:
@@ -139,10 +148,10 @@ def quantize(
     spec = resolve_spec(
         fmt, block_size=block_size, scale_mode=scale_mode, granularity=granularity, rounding=rounding
     )
-    if check_finite:
-        check_input(x)
-    else:
-        check_input(x[..., :1].flatten()[:1])  # dtype/shape checks only
+    check_input(x.flatten()[:1] if isinstance(x, torch.Tensor) and x.numel() else x)  # type, dtype, shape
+    if x.dim() == 0:
+        raise ValueError(f"x must have at least one dimension, got shape {tuple(x.shape)}")
+    gmax = global_amax(x) if check_finite else None
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     if seed is not None and not isinstance(seed, int):
@@ -156,9 +165,9 @@ def quantize(
     if use_triton:
         if bh != 1:
             raise ValueError(f"block_size: the Triton path supports 1-D blocks only, got {(bh, bw)}")
-        data, scale, ts = quantize_triton(x2, spec, bw, noise)
+        data, scale, ts = quantize_triton(x2, spec, bw, noise, gmax)
     else:
-        data, scale, ts = quantize_reference(x2, spec, (bh, bw), noise)
+        data, scale, ts = quantize_reference(x2, spec, (bh, bw), noise, gmax)
     return QuantizedTensor(
         fmt=spec.fmt,
         shape=x.shape,
@@ -184,26 +193,43 @@ def blockify(x2: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, in
 
 
 def quantize_reference(
-    x2: torch.Tensor, spec: QuantSpec, block: tuple[int, int], noise: torch.Tensor | None
+    x2: torch.Tensor,
+    spec: QuantSpec,
+    block: tuple[int, int],
+    noise: torch.Tensor | None,
+    gmax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Torch reference: returns (data, scale, tensor_scale) exactly as stored in a QuantizedTensor."""
+    """Torch reference: returns (data, scale, tensor_scale) exactly as stored in a QuantizedTensor.
+
+    ``gmax``: max |x| if already known. Written to touch each element as few times as possible (in-place ops
+    on its own temporaries); every value is the one the step-by-step definition in ``reference`` gives.
+    """
     f = spec.fmt
     elem = f.element
     xb, rows, kp = blockify(x2, block)
     bh, bw = block
-    amax = xb.abs().amax(dim=(1, 3))  # (nbr, nbc)
+    nbr, _, nbc, _ = xb.shape
+    if bh == 1 and nbc == 1 and gmax is not None and rows == 1:
+        amax = gmax.reshape(1, 1)
+    elif bh == 1:
+        amax = xb.view(nbr, nbc, bw).abs().amax(dim=-1)
+    elif nbr == 1 and nbc == 1:
+        amax = (gmax if gmax is not None else xb.abs().amax()).reshape(1, 1)
+    else:
+        amax = xb.abs().amax(dim=(1, 3))
     ts = None
     if f.scale_kind == "e8m0":
         e = ref.e8m0_exponent(amax, elem, spec.scale_mode)
-        inv = ref.exp2i(-e)
-        scaled = xb * inv[:, None, :, None]
+        scaled = xb * ref.exp2i(-e)[:, None, :, None]
         scale = ref.e8m0_to_storage(e)
     elif f.scale_kind == "e4m3":
-        ts = ref.nvfp4_tensor_scale(amax.amax())
+        ts = ref.nvfp4_tensor_scale(gmax if gmax is not None else amax.amax())
         bs = ref.nvfp4_block_scale(amax, ts)
         denom = bs * ts
-        safe = torch.where(denom > 0, denom, torch.ones_like(denom))
-        scaled = torch.where(denom[:, None, :, None] > 0, xb / safe[:, None, :, None], torch.zeros_like(xb))
+        zero = denom <= 0
+        scaled = xb / torch.where(zero, torch.ones_like(denom), denom)[:, None, :, None]
+        if bool(zero.any()):
+            scaled.masked_fill_(zero[:, None, :, None].expand_as(scaled), 0.0)
         scale = bs.to(torch.float8_e4m3fn)
     else:
         s = ref.fp8_scale(amax, elem)
@@ -214,7 +240,7 @@ def quantize_reference(
         data = ref.pack_fp4(ref.encode_e2m1_nearest(scaled))  # fast path, same bits
     elif spec.rounding == "nearest" and not f.packed:
         # torch's float8 casts round half to even and are exact on the clamped range (tested bit for bit)
-        data = scaled.clamp(-elem.max, elem.max).to(elem.torch_dtype)
+        data = scaled.clamp_(-elem.max, elem.max).to(elem.torch_dtype)
     else:
         mag = ref.round_to_element(scaled.abs(), elem, spec.rounding, noise)
         neg = torch.signbit(scaled)
@@ -226,7 +252,7 @@ def quantize_reference(
 
 
 def quantize_triton(
-    x2: torch.Tensor, spec: QuantSpec, bw: int, noise: torch.Tensor | None
+    x2: torch.Tensor, spec: QuantSpec, bw: int, noise: torch.Tensor | None, gmax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Triton path (1 x bw blocks): same outputs as :func:`quantize_reference`, bit for bit."""
     from bitrl.kernels.quantize import quantize_blocks_triton
@@ -234,7 +260,7 @@ def quantize_triton(
     f = spec.fmt
     ts = None
     if f.scale_kind == "e4m3":
-        ts = ref.nvfp4_tensor_scale(x2.abs().amax().to(torch.float32))
+        ts = ref.nvfp4_tensor_scale(gmax if gmax is not None else global_amax(x2))
     codes, scale = quantize_blocks_triton(
         x2,
         f.element,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .formats import E2M1 as E2M1_
 from .formats import E4M3, E8M0_DTYPE, ElementFormat
 
 _F32_EXP_SHIFT = 23
@@ -72,27 +73,38 @@ def encode_element(v: torch.Tensor, negative: torch.Tensor, elem: ElementFormat)
 
 _DECODE_CACHE: dict[tuple[str, torch.device], torch.Tensor] = {}
 _PAIR_CACHE: dict[tuple[str, torch.device], torch.Tensor] = {}
-_BND_CACHE: dict[torch.device, torch.Tensor] = {}
+_ENC_CACHE: dict[torch.device, torch.Tensor] = {}
 
 
-def e2m1_boundaries(device) -> torch.Tensor:
-    """Decision boundaries of round-half-even onto the E2M1 grid, for ``torch.bucketize(a, b)`` (which counts
-    the boundaries strictly below ``a``): ties that go up (0.75, 1.75, 3.5: to the even code above) use the
-    float32 just below the midpoint, ties that go down (0.25, 1.25, 2.5, 5) the midpoint itself."""
-    b = _BND_CACHE.get(device)
-    if b is None:
-        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
-        down = torch.nextafter(mids, torch.zeros(()))
-        up_ties = torch.tensor([False, True, False, True, False, True, False])
-        b = torch.where(up_ties, down, mids).to(device)
-        _BND_CACHE[device] = b
-    return b
+def e2m1_encode_table(device) -> torch.Tensor:
+    """Lookup table for :func:`encode_e2m1_nearest`, built from the step-by-step reference.
+
+    Every E2M1 rounding midpoint (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) has at most 3 significant bits, so it
+    sits exactly at the start of an interval of float32 bit patterns sharing their top 12 bits (sign,
+    exponent, 3 mantissa bits). Hence the code of any float32 ``v`` is a function of ``key = bits >> 20`` and
+    of whether the remaining 20 bits are zero (``v`` is the interval start, e.g. an exact tie) or not.
+    """
+    lut = _ENC_CACHE.get(device)
+    if lut is None:
+        keys = torch.arange(4096, dtype=torch.int32)
+        start, above = (keys << 20).view(torch.float32), ((keys << 20) | 1).view(torch.float32)
+
+        def code(v):
+            v = torch.where(torch.isfinite(v), v, torch.full_like(v, 1e30).copysign(v))
+            return encode_element(round_to_element(v.abs(), E2M1_), torch.signbit(v), E2M1_)
+
+        lut = torch.stack((code(start), code(above)), dim=-1).reshape(-1).to(device)
+        _ENC_CACHE[device] = lut
+    return lut
 
 
 def encode_e2m1_nearest(scaled: torch.Tensor) -> torch.Tensor:
-    """Fast path, bit-identical to ``encode_element(round_to_element(|s|, E2M1), signbit(s), E2M1)``."""
-    mag = torch.bucketize(scaled.abs(), e2m1_boundaries(scaled.device), out_int32=True).to(torch.uint8)
-    return mag | (torch.signbit(scaled).to(torch.uint8) << 3)
+    """Fast path, bit-identical to ``encode_element(round_to_element(|s|, E2M1), signbit(s), E2M1)``:
+    one table lookup per element (see :func:`e2m1_encode_table`)."""
+    b = scaled.contiguous().view(torch.int32)
+    idx = (b >> 20).bitwise_and_(0xFFF)
+    idx.add_(idx).add_((b & 0xFFFFF).ne_(0))
+    return torch.index_select(e2m1_encode_table(scaled.device), 0, idx.flatten()).view(scaled.shape)
 
 
 def decode_fp4_packed(packed: torch.Tensor, elem: ElementFormat) -> torch.Tensor:
@@ -104,7 +116,20 @@ def decode_fp4_packed(packed: torch.Tensor, elem: ElementFormat) -> torch.Tensor
         b = torch.arange(256)
         lut = torch.stack((t[b & 0xF], t[b >> 4]), dim=-1).to(packed.device)
         _PAIR_CACHE[key] = lut
-    return lut[packed.long()].reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    vals = torch.index_select(lut, 0, packed.reshape(-1).to(torch.int32))
+    return vals.view(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def decode_fp8(data: torch.Tensor) -> torch.Tensor:
+    """float32 values of an FP8 tensor through a 256-entry table built from torch's own cast (bit-identical to
+    ``data.float()``, an order of magnitude faster on CPU)."""
+    key = (str(data.dtype), data.device)
+    lut = _DECODE_CACHE.get(key)
+    if lut is None:
+        lut = torch.arange(256, dtype=torch.uint8).view(data.dtype).to(torch.float32).to(data.device)
+        _DECODE_CACHE[key] = lut
+    vals = torch.index_select(lut, 0, data.reshape(-1).view(torch.uint8).to(torch.int32))
+    return vals.view(data.shape)
 
 
 def decode_element(codes: torch.Tensor, elem: ElementFormat) -> torch.Tensor:

@@ -80,6 +80,8 @@ class QuantizedTensor:
         """Unscaled element values as float32 ``(R, Kp)``."""
         if self.fmt.packed:
             return ref.decode_fp4_packed(self.data, self.fmt.element)
+        if self.data.device.type == "cpu":
+            return ref.decode_fp8(self.data)
         return self.data.to(torch.float32)
 
     def scale_fp32(self) -> torch.Tensor:
@@ -133,14 +135,15 @@ def expand_blocks(s: torch.Tensor, block: tuple[int, int], rows: int, cols: int)
 
 
 def dequantize_reference(qt: QuantizedTensor) -> torch.Tensor:
-    """Torch reference dequantization: float32 of shape ``(R, K)``."""
+    """Torch reference dequantization: float32 of shape ``(R, K)`` (in-place scaling of its own temporary)."""
     vals = qt.element_values()
     r, kp = vals.shape
     if qt.fmt.scale_kind == "e4m3":
-        s = expand_blocks(qt.scale_fp32(), qt.block, r, kp)
-        out = (vals * s) * qt.tensor_scale
+        vals.mul_(expand_blocks(qt.scale_fp32(), qt.block, r, kp)).mul_(qt.tensor_scale)
+    elif qt.scale.numel() == 1:
+        vals.mul_(qt.scale_fp32().reshape(()))
     elif qt.block[0] == 1:
-        out = (vals.view(r, -1, qt.block[1]) * qt.scale_fp32()[:, :, None]).view(r, kp)
+        vals.view(r, -1, qt.block[1]).mul_(qt.scale_fp32()[:, :, None])
     else:
-        out = vals * expand_blocks(qt.scale_fp32(), qt.block, r, kp)
-    return out[:, : qt.cols]
+        vals.mul_(expand_blocks(qt.scale_fp32(), qt.block, r, kp))
+    return vals[:, : qt.cols]

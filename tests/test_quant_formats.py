@@ -419,3 +419,19 @@ def test_properties(fmt, rows, cols, log_scale, seed):
     if fmt != "nvfp4":  # the reconstruction quantizes to itself
         q2 = quantize(d, fmt)
         assert torch.equal(q2.dequantize(), d)
+
+
+def test_fast_e2m1_encoder_matches_step_by_step_reference():
+    keys = torch.arange(4096, dtype=torch.int32) << 20
+    bits = torch.cat([keys, keys | 1, keys | 0xFFFFF, keys - 1, torch.randint(-(2**31), 2**31 - 1, (20000,))])
+    v = bits.to(torch.int32).view(torch.float32)
+    v = v[torch.isfinite(v)]
+    slow = ref.encode_element(ref.round_to_element(v.abs(), E2M1), torch.signbit(v), E2M1)
+    assert torch.equal(ref.encode_e2m1_nearest(v), slow)
+
+
+@pytest.mark.parametrize("dt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fast_fp8_decode_matches_torch(dt):
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3).view(dt).view(3, 256)
+    a, b = ref.decode_fp8(codes), codes.to(torch.float32)
+    assert torch.equal(a[torch.isfinite(b)], b[torch.isfinite(b)])
