@@ -49,6 +49,7 @@ if HAS_TRITON:
         MBITS: tl.constexpr,
         BIAS: tl.constexpr,
         BITS: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -75,8 +76,12 @@ if HAS_TRITON:
             s = tl.load(s_ptr + rn[:, None] * NBLK + (col0 // BW)[None, :], mask=w_mask, other=0.0)
             w0 = (_decode(byte & 0xF, EBITS, MBITS, BIAS, BITS) * s).to(a0.dtype)
             w1 = (_decode(byte >> 4, EBITS, MBITS, BIAS, BITS) * s).to(a0.dtype)
-            acc += tl.dot(a0, tl.trans(w0), out_dtype=tl.float32)
-            acc += tl.dot(a1, tl.trans(w1), out_dtype=tl.float32)
+            if IEEE:  # float32 activations: no TF32 shortcut
+                acc += tl.dot(a0, tl.trans(w0), input_precision="ieee", out_dtype=tl.float32)
+                acc += tl.dot(a1, tl.trans(w1), input_precision="ieee", out_dtype=tl.float32)
+            else:
+                acc += tl.dot(a0, tl.trans(w0), out_dtype=tl.float32)
+                acc += tl.dot(a1, tl.trans(w1), out_dtype=tl.float32)
         if HAS_TS:
             acc = acc * tl.load(ts_ptr)
         o_mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -144,6 +149,7 @@ def w4a16_matmul(
         MBITS=elem.mbits,
         BIAS=elem.bias,
         BITS=elem.bits,
+        IEEE=a2.dtype == torch.float32,
     )
     return out.to(out_dtype or a.dtype).reshape(*lead, n)
 

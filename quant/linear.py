@@ -77,6 +77,7 @@ class QuantLinear(nn.Module):
         self.compute_dtype = dtype
         self.cache_dequantized = cache_dequantized
         self.source_name: str | None = None
+        self.impl: str | None = None  # force "dequant_matmul", "w4a16_triton" or "scaled_mm" (tests)
         self.weight_version = 0
         self._meta: dict | None = None
         self._deq: torch.Tensor | None = None
@@ -175,7 +176,9 @@ class QuantLinear(nn.Module):
         return fake_quantize(x, self.act, check_finite=False)
 
     def execution_path(self, x: torch.Tensor) -> str:
-        """ "scaled_mm", "w4a16_triton" or "dequant_matmul" for an input like ``x``."""
+        """The matmul used for an input like ``x``: "scaled_mm", "w4a16_triton" or "dequant_matmul"."""
+        if self.impl is not None:
+            return self.impl
         if x.device.type == "cuda":
             from bitrl.kernels.qmatmul import scaled_mm_unavailable_reason
 
@@ -272,9 +275,26 @@ def quantize_model(
     return model
 
 
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _canon(name: str) -> str:
+    """Strip the prefixes that DDP, torch.compile and FSDP wrappers add to parameter names."""
+    changed = True
+    while changed:
+        changed = False
+        for p in _WRAPPER_PREFIXES:
+            if name.startswith(p):
+                name, changed = name[len(p) :], True
+            name = name.replace("." + p, ".")
+    return name
+
+
 def _named_tensors(model: nn.Module):
-    yield from model.named_parameters(remove_duplicate=False)
-    yield from model.named_buffers(remove_duplicate=False)
+    for name, t in model.named_parameters(remove_duplicate=False):
+        yield _canon(name), t
+    for name, t in model.named_buffers(remove_duplicate=False):
+        yield _canon(name), t
 
 
 # Fused optimizers (e.g. AdamW(fused=True)) update parameters without bumping their autograd version counter,
@@ -331,7 +351,9 @@ def requantize_(
     state = getattr(qmodel, "_bitrl_sync_state", None)
     if state is None or getattr(qmodel, "_bitrl_sync_check", check) != check:
         state = {}
-    qlinears = {m.source_name: m for m in qmodel.modules() if isinstance(m, QuantLinear) and m.source_name}
+    qlinears = {
+        _canon(m.source_name): m for m in qmodel.modules() if isinstance(m, QuantLinear) and m.source_name
+    }
     targets = dict(_named_tensors(qmodel))
     stats = {"requantized": 0, "copied": 0, "unchanged": 0}
     done: set[int] = set()

@@ -90,6 +90,23 @@ def test_w4a16_kernel_matches_dequantized_matmul(fmt, k):
 
 
 @pytest.mark.skipif(
+    qmatmul.w4a16_unavailable_reason(torch.device("cpu")) is not None and not torch.cuda.is_available(),
+    reason="fused W4A16 kernel: needs CUDA or TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize("fmt,act", [("mxfp4", None), ("nvfp4", "nvfp4")])
+def test_quantlinear_w4a16_path(fmt, act):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(2)
+    lin = nn.Linear(96, 40).to(dev)
+    q = QuantLinear.from_linear(lin, fmt, act=act)
+    x = torch.randn(2, 3, 96, device=dev)
+    q.impl = "dequant_matmul"
+    ref = q(x)
+    q.impl = "w4a16_triton"
+    torch.testing.assert_close(q(x), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(
     qmatmul.scaled_mm_unavailable_reason(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     is not None,
     reason=str(
@@ -207,3 +224,15 @@ def test_requantize_first_call_without_source_refreshes_everything():
     st = requantize_(qmodel, policy, warm=True)
     assert st["requantized"] == 14
     _assert_synced(qmodel, policy, "mxfp8")
+
+
+def test_requantize_from_wrapped_source():
+    policy = tiny_qwen()
+    qmodel = quantize_model(copy.deepcopy(policy), "mxfp4", act=None, source=policy)
+    wrapped = nn.Module()
+    wrapped.module = policy  # what DistributedDataParallel's parameter names look like
+    with torch.no_grad():
+        policy.model.layers[0].mlp.up_proj.weight.mul_(2.0)
+    st = requantize_(qmodel, wrapped)
+    assert st["requantized"] == 1
+    _assert_synced(qmodel, policy, "mxfp4")
