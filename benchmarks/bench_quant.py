@@ -246,20 +246,23 @@ def main(argv=None) -> int:
     )
     for fmt in ("mxfp4", "nvfp4", "fp8_e4m3"):
         qmodel = quantize_model(copy.deepcopy(policy), fmt, source=policy)
-        touch_all(policy)
-        st = requantize_(qmodel, policy)
-        touch_all(policy)
-        t = time.perf_counter()
-        requantize_(qmodel, policy, warm=True)
-        tw = time.perf_counter() - t
+        cold, warm = [], []
+        for _ in range(args.reps):
+            touch_all(policy)
+            st = requantize_(qmodel, policy)
+            cold.append(st["seconds"])
+            touch_all(policy)
+            t = time.perf_counter()
+            requantize_(qmodel, policy, warm=True)
+            warm.append(time.perf_counter() - t)
         t = time.perf_counter()
         none = requantize_(qmodel, policy)
         t0 = time.perf_counter() - t
         print(
-            f"  {fmt:<9} requantize {st['seconds']:.2f} s ({st['requantized']} linears, "
-            f"{st['copied']} copies), "
-            f"with CPU dequant-cache rebuild {tw:.2f} s, nothing changed {t0 * 1e3:.2f} ms "
-            f"({none['unchanged']} tensors checked)"
+            f"  {fmt:<9} requantize median {statistics.median(cold):.2f} s (min {min(cold):.2f}; "
+            f"{st['requantized']} linears, {st['copied']} copies), with CPU dequant-cache rebuild "
+            f"{statistics.median(warm):.2f} s, nothing changed {t0 * 1e3:.2f} ms "
+            f"({none['unchanged']} tensors)"
         )
         del qmodel
     return 0
