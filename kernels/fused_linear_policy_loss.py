@@ -68,6 +68,12 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         valid = targets != ignore_index
         y = torch.where(valid, targets, torch.zeros_like(targets)).long()
         use_triton_loss = backend == "triton" and triton_supported(plan) is None
+        # only tokens that enter the loss are computed: padding, ignored and correction-masked tokens get no
+        # logits and no matmul rows (their log-prob is never used)
+        active = plan.mask.reshape(-1) > 0
+        index = active.nonzero().squeeze(1)
+        starts = torch.arange(0, B + rows_per_chunk, rows_per_chunk, device=index.device).clamp(max=B) * T
+        bounds = torch.searchsorted(index, starts).tolist()
         eng = ChunkEngine(
             hidden,
             weight,
@@ -75,23 +81,32 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
             y,
             valid,
             inv_t,
-            chunk=rows_per_chunk * T,
+            chunk=max(1, min(rows_per_chunk * T, index.numel())),
             backend=backend,
             need_ent=need_ent,
             unit_temperature=unit_t,
+            index=index,
         )
-        dh = torch.empty_like(hidden) if need_grad and need_h else None
+        dh = torch.zeros_like(hidden) if need_grad and need_h else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad and need_w else None
         db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_grad and need_b else None
         total = torch.zeros((), dtype=plan.mask.dtype, device=hidden.device)
         parts_acc = None
         ent_grad = need_grad and plan.entropy_coef != 0
-        for r0 in range(0, B, rows_per_chunk):
+        for j, r0 in enumerate(range(0, B, rows_per_chunk)):
             r1 = min(B, r0 + rows_per_chunk)
-            s, e = r0 * T, r1 * T
-            lp, ent, _, _ = eng.forward(s, e)
-            lp_rows = lp.view(r1 - r0, T)
-            ent_rows = None if ent is None else ent.view(r1 - r0, T)
+            s = r0 * T
+            k0, k1 = bounds[j], bounds[j + 1]
+            pos = index[k0:k1] - s  # active positions inside this block of rows
+            lp_rows = torch.zeros((r1 - r0) * T, dtype=acc, device=hidden.device)
+            ent_rows = torch.zeros_like(lp_rows) if need_ent else None
+            if k1 > k0:
+                lp_c, ent_c, _, _ = eng.forward(k0, k1)
+                lp_rows[pos] = lp_c
+                if need_ent:
+                    ent_rows[pos] = ent_c
+            lp_rows = lp_rows.view(r1 - r0, T)
+            ent_rows = None if ent_rows is None else ent_rows.view(r1 - r0, T)
             rows = slice(r0, r1)
             if use_triton_loss:
                 loss_c, parts, g_lp, g_ent = evaluate_triton(lp_rows, ent_rows, plan, rows)
@@ -111,15 +126,14 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
                 loss_c = loss_c.detach()
             total = total + loss_c
             parts_acc = merge_parts(parts_acc, parts)
-            if need_grad:
-                vf = valid[s:e].to(acc)
+            if need_grad and k1 > k0:
                 if g_lp is None:
-                    g_lp = torch.zeros(e - s, dtype=acc, device=hidden.device)
+                    g_lp_c = torch.zeros(k1 - k0, dtype=acc, device=hidden.device)
                 else:
-                    g_lp = g_lp.reshape(-1).to(acc) * vf
-                g_ent = g_ent.reshape(-1).to(acc) * vf if (g_ent is not None and ent_grad) else None
-                dz = eng.grad(g_lp, g_ent)
-                eng.accumulate(dz, s, e, dh, dw, db)
+                    g_lp_c = g_lp.reshape(-1)[pos].to(acc)
+                g_ent_c = g_ent.reshape(-1)[pos].to(acc) if (g_ent is not None and ent_grad) else None
+                dz = eng.grad(g_lp_c, g_ent_c)
+                eng.accumulate(dz, dh, dw, db)
         del eng
         out["parts"] = parts_acc
         ctx.save_for_backward(

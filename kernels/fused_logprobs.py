@@ -143,8 +143,13 @@ class ChunkEngine:
     z - max. Triton backend: the row kernels read the logits and write the gradient in place.
     """
 
-    def __init__(self, hidden, weight, bias, y, valid, inv_t, *, chunk, backend, need_ent, unit_temperature):
+    def __init__(
+        self, hidden, weight, bias, y, valid, inv_t, *, chunk, backend, need_ent, unit_temperature, index=None
+    ):
+        # ``index``: optional sorted token ids to compute (padding / ignored tokens are skipped entirely:
+        # no logits, no matmul rows); chunk positions k0:k1 then refer to index[k0:k1].
         self.hidden, self.bias, self.y, self.valid, self.inv_t = hidden, bias, y, valid, inv_t
+        self.index = index
         self.backend, self.need_ent = backend, need_ent
         self.acc = acc_dtype(hidden)
         self.mm = matmul_dtype(hidden)
@@ -165,9 +170,15 @@ class ChunkEngine:
         if backend == "triton" and self.mm != self.acc:
             self.dzbuf = torch.empty(c, V, dtype=self.mm, device=dev)
 
-    def logits(self, s: int, e: int) -> torch.Tensor:
-        h = self.hidden[s:e]
-        z = self.zbuf[: e - s]
+    def _select(self, s: int, e: int):
+        if self.index is None:
+            sl = slice(s, e)
+            return None, self.hidden[sl], self.y[sl], self.valid[sl], self.inv_t[sl]
+        idx = self.index[s:e]
+        return idx, self.hidden.index_select(0, idx), self.y[idx], self.valid[idx], self.inv_t[idx]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        z = self.zbuf[: h.shape[0]]
         if self.mm == self.acc:
             torch.mm(h.to(self.mm), self.w_mm.t(), out=z)
         else:
@@ -178,9 +189,10 @@ class ChunkEngine:
 
     def forward(self, s: int, e: int, need_ent: bool | None = None):
         need_ent = self.need_ent if need_ent is None else need_ent
-        z = self.logits(s, e)
-        y, valid, inv_t = self.y[s:e], self.valid[s:e], self.inv_t[s:e]
-        self._rows = (s, e)
+        idx, h, y, valid, inv_t = self._select(s, e)
+        self._start = s
+        z = self.logits(h)
+        self._cur = (idx, h, y, inv_t)
         if self.backend == "triton":
             lp, ent, lse, mz = row_stats_triton(z, y, inv_t, valid, need_ent)
             self._state = (z, lse, mz)
@@ -216,12 +228,11 @@ class ChunkEngine:
 
     def grad(self, g_lp: torch.Tensor, g_ent: torch.Tensor | None) -> torch.Tensor:
         """d loss / d raw logits of the last ``forward`` chunk (overwrites the workspace)."""
-        s, e = self._rows
-        y, inv_t = self.y[s:e], self.inv_t[s:e]
+        _, _, y, inv_t = self._cur
         g_lp = g_lp.to(self.acc)
         if self.backend == "triton":
             z, lse, mz = self._state
-            out = None if self.dzbuf is None else self.dzbuf[: e - s]
+            out = None if self.dzbuf is None else self.dzbuf[: z.shape[0]]
             return row_grad_triton(z, y, inv_t, lse, mz, g_lp, g_ent, out=out)
         if self._state[0] == "ent":
             _, zm, p, sum_e, pzm = self._state
@@ -243,18 +254,24 @@ class ChunkEngine:
             dz.mul_(inv_t.unsqueeze(-1))
         return dz
 
-    def accumulate(self, dz, s, e, dh, dw, db):
-        """dh[s:e] = dz @ W, dw += dz^T h (fp32), db += sum(dz)."""
+    def accumulate(self, dz, dh, dw, db):
+        """For the last chunk: dh[rows] = dz @ W, dw += dz^T h (fp32), db += sum(dz).
+
+        With an ``index``, dh must be zero-initialised (skipped rows get no gradient)."""
+        idx, h, _, _ = self._cur
         if db is not None:
             db += dz.sum(0, dtype=self.acc)
         dzm = dz if dz.dtype == self.mm else dz.to(self.mm)
         if dh is not None:
-            if dh.dtype == self.mm:
-                torch.mm(dzm, self.w_mm, out=dh[s:e])
+            if idx is not None:
+                dh.index_copy_(0, idx, (dzm @ self.w_mm).to(dh.dtype))
+            elif dh.dtype == self.mm:
+                s = self._start
+                torch.mm(dzm, self.w_mm, out=dh[s : s + dz.shape[0]])
             else:
-                dh[s:e] = (dzm @ self.w_mm).to(dh.dtype)
+                s = self._start
+                dh[s : s + dz.shape[0]] = (dzm @ self.w_mm).to(dh.dtype)
         if dw is not None:
-            h = self.hidden[s:e]
             h = h if h.dtype == self.mm else h.to(self.mm)
             if self.mm == self.acc:
                 dw.addmm_(dzm.t(), h)
@@ -473,6 +490,8 @@ class FusedLogprobsFunction(torch.autograd.Function):
         acc = acc_dtype(hidden)
         valid = targets != ignore_index
         y = torch.where(valid, targets, torch.zeros_like(targets)).long()
+        index = None if bool(valid.all()) else valid.nonzero().squeeze(1)  # skip ignored tokens entirely
+        n = N if index is None else index.numel()
         eng = ChunkEngine(
             hidden,
             weight,
@@ -484,24 +503,26 @@ class FusedLogprobsFunction(torch.autograd.Function):
             backend=backend,
             need_ent=need_ent,
             unit_temperature=unit_t,
+            index=index,
         )
-        lp = torch.empty(N, dtype=acc, device=hidden.device)
-        ent = torch.empty(N if need_ent else 0, dtype=acc, device=hidden.device)
-        for s in range(0, N, chunk):
-            e = min(N, s + chunk)
+        lp = torch.zeros(N, dtype=acc, device=hidden.device)
+        ent = torch.zeros(N if need_ent else 0, dtype=acc, device=hidden.device)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
             lp_c, ent_c, _, _ = eng.forward(s, e)
-            lp[s:e] = lp_c
+            rows = slice(s, e) if index is None else index[s:e]
+            lp[rows] = lp_c
             if need_ent:
-                ent[s:e] = ent_c
+                ent[rows] = ent_c
         del eng
-        ctx.save_for_backward(hidden, weight, bias, y, valid, inv_t)
+        ctx.save_for_backward(hidden, weight, bias, y, valid, inv_t, index)
         ctx.cfg = (chunk, backend, unit_t)
         ctx.set_materialize_grads(False)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, bias, y, valid, inv_t = ctx.saved_tensors
+        hidden, weight, bias, y, valid, inv_t, index = ctx.saved_tensors
         chunk, backend, unit_t = ctx.cfg
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if g_ent is not None and g_ent.numel() == 0:
@@ -525,15 +546,20 @@ class FusedLogprobsFunction(torch.autograd.Function):
             backend=backend,
             need_ent=g_ent is not None,
             unit_temperature=unit_t,
+            index=index,
         )
-        dh = torch.empty_like(hidden) if need_h else None
+        n = N if index is None else index.numel()
+        dh = None
+        if need_h:
+            dh = torch.empty_like(hidden) if index is None else torch.zeros_like(hidden)
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
-        for s in range(0, N, chunk):
-            e = min(N, s + chunk)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            rows = slice(s, e) if index is None else index[s:e]
             eng.forward(s, e)
-            dz = eng.grad(g_lp[s:e], None if g_ent is None else g_ent[s:e])
-            eng.accumulate(dz, s, e, dh, dw, db)
+            dz = eng.grad(g_lp[rows], None if g_ent is None else g_ent[rows])
+            eng.accumulate(dz, dh, dw, db)
         return (
             dh,
             None if dw is None else dw.to(weight.dtype),
