@@ -5,6 +5,7 @@ Qwen2-0.5B-shaped model.
     pytest benchmarks/bench_quant.py --benchmark-only                 # CPU, small sizes, 4 layers
     BITRL_BENCH_FULL=1 pytest benchmarks/bench_quant.py --benchmark-only   # 4096 x 4096 tensors, 24 layers
     python benchmarks/bench_quant.py [--full] [--threads N]           # one table with ratios (same run)
+    python benchmarks/bench_quant.py --gpu-out DIR                     # GPU: exactness, GB/s, matmuls, JSON
 
 "Straightforward torch" is what one writes without caring about passes: scales through ``log2``/``pow``,
 elements rounded to the grid by an argmin over the distance to every grid value, codes packed with shifts;
@@ -208,13 +209,126 @@ def _time(fn, reps):
     return statistics.median(ts)
 
 
+# ----------------------------------------------------------------------------------------------- GPU script
+
+
+def gpu_report(out_dir: str, reps: int = 20) -> int:
+    """One short GPU run: Triton vs torch reference bit-exactness, quantize/dequantize bandwidth (fraction of
+    HBM), W4A16 and FP8 matmuls against bf16, requantize_ time. Writes gpu_quant.json and gpu_quant.txt."""
+    import json
+
+    import torch.nn.functional as F
+
+    from bitrl.kernels.qmatmul import scaled_mm_unavailable_reason
+    from bitrl.quant import QuantLinear
+
+    if not torch.cuda.is_available():
+        print("gpu: no CUDA device; nothing to do")
+        return 0
+    os.makedirs(out_dir, exist_ok=True)
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in HBM_BYTES_PER_S.items() if k in name), None)
+    res: dict = {"device": name, "exact": {}, "bandwidth": {}, "matmul": {}, "requantize": {}}
+    lines = [f"device: {name}"]
+
+    def cuda_time(fn, n=reps):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n / 1e3
+
+    g = torch.Generator().manual_seed(0)
+    for fmt in ("mxfp4", "mxfp8", "nvfp4"):
+        for mode in ("floor", "rceil") if FORMATS[fmt].is_mx else ("floor",):
+            x = (
+                torch.randn(257, 1000, generator=g)
+                * 10.0 ** torch.randint(-8, 8, (257, 1), generator=g).float()
+            )
+            a = quantize(x, fmt, scale_mode=mode, backend="torch")
+            b = quantize(x.to(dev), fmt, scale_mode=mode, backend="triton")
+            same = torch.equal(a.data.view(torch.uint8), b.data.cpu().view(torch.uint8)) and torch.equal(
+                a.scale.view(torch.uint8), b.scale.cpu().view(torch.uint8)
+            )
+            deq = torch.equal(a.dequantize(), b.dequantize(backend="triton").cpu())
+            res["exact"][f"{fmt}-{mode}"] = bool(same and deq)
+            lines.append(f"bit-exact {fmt:<6} {mode:<6} quantize+dequantize: {same and deq}")
+    xg = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    for fmt in ("mxfp4", "nvfp4", "mxfp8"):
+        q = quantize(xg, fmt)
+        for op, fn in (
+            ("quantize", lambda f=fmt: quantize(xg, f, check_finite=False)),
+            ("dequantize", lambda q=q: q.dequantize(torch.bfloat16)),
+        ):
+            t = cuda_time(fn)
+            moved = xg.numel() * 2 + q.nbytes
+            gbs = moved / t / 1e9
+            frac = moved / t / peak if peak else None
+            res["bandwidth"][f"{fmt}-{op}"] = {"s": t, "GB/s": gbs, "fraction_of_hbm": frac}
+            lines.append(
+                f"{fmt:<6} {op:<10} {gbs:8.1f} GB/s" + (f"  ({100 * frac:.0f}% of HBM)" if frac else "")
+            )
+    for m, n, k in ((1, 4864, 896), (16, 4864, 896), (256, 896, 4864), (4096, 4864, 896)):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+        t_ref = cuda_time(lambda lin=lin, x=x: F.linear(x, lin.weight))
+        for fmt in ("mxfp4", "nvfp4", "fp8_e4m3"):
+            if fmt == "fp8_e4m3" and scaled_mm_unavailable_reason(dev):
+                continue
+            ql = QuantLinear.from_linear(lin, fmt)
+            path = ql.execution_path(x)
+            t = cuda_time(lambda ql=ql, x=x: ql(x))
+            ref = F.linear(x.float(), ql.dequantized_weight(torch.float32))
+            err = float((ql(x).float() - ref).norm() / ref.norm())
+            res["matmul"][f"{fmt}-{m}x{n}x{k}"] = {
+                "path": path,
+                "s": t,
+                "bf16_s": t_ref,
+                "rel_err_vs_deq": err,
+            }
+            lines.append(
+                f"matmul {fmt:<8} {path:<13} M={m:<5} N={n:<5} K={k:<5} {t * 1e6:8.1f} us vs bf16 "
+                f"{t_ref * 1e6:8.1f} us ({t_ref / t:.2f}x), rel err vs dequantized {err:.1e}"
+            )
+    policy = qwen05b_shaped(24).to(dev, torch.bfloat16)
+    for fmt in ("mxfp4", "nvfp4", "fp8_e4m3"):
+        qmodel = quantize_model(copy.deepcopy(policy), fmt, source=policy)
+        ts = []
+        for _ in range(5):
+            touch_all(policy)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            requantize_(qmodel, policy)
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t)
+        res["requantize"][fmt] = statistics.median(ts)
+        lines.append(
+            f"requantize_ {fmt:<8} Qwen2-0.5B shapes, 24 layers: {1e3 * statistics.median(ts):.1f} ms"
+        )
+        del qmodel
+    with open(os.path.join(out_dir, "gpu_quant.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(out_dir, "gpu_quant.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if all(res["exact"].values()) else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="bitrl quantization throughput, side by side")
     p.add_argument("--full", action="store_true", help="4096 x 4096 tensors and 24 requantize layers")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--requantize-layers", type=int, default=None)
+    p.add_argument("--gpu-out", metavar="DIR", help="run the GPU script only, writing results into DIR")
     args = p.parse_args(argv)
+    if args.gpu_out:
+        return gpu_report(args.gpu_out)
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = (4096, 4096) if args.full else SHAPE

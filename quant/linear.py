@@ -136,8 +136,7 @@ class QuantLinear(nn.Module):
             dtype=qt.dtype,
         )
         self.weight_version += 1
-        self._deq = None
-        self._deq_key = None
+        self._deq_key = None  # the cached dequantized weight is stale; its storage is reused
 
     @property
     def qweight(self) -> QuantizedTensor:
@@ -163,8 +162,13 @@ class QuantLinear(nn.Module):
         if self._deq is not None and self._deq_key == key:
             return self._deq
         w = self.qweight.dequantize(dtype)
-        if self.cache_dequantized:
-            self._deq, self._deq_key = w, key
+        if not self.cache_dequantized:
+            return w
+        old = self._deq
+        if old is not None and old.shape == w.shape and old.dtype == w.dtype and old.device == w.device:
+            old.copy_(w)  # refresh in place: no new allocation per step, references stay valid
+            w = old
+        self._deq, self._deq_key = w, key
         return w
 
     # ------------------------------------------------------------------ forward

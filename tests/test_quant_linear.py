@@ -47,8 +47,12 @@ def test_dequantized_weight_is_cached_per_version():
     q = QuantLinear.from_linear(lin, "mxfp4")
     w1 = q.dequantized_weight()
     assert q.dequantized_weight() is w1
-    q.set_weight(torch.randn(16, 32))
-    assert q.weight_version == 2 and q.dequantized_weight() is not w1
+    w1_values = w1.clone()
+    new = torch.randn(16, 32)
+    q.set_weight(new)
+    w2 = q.dequantized_weight()
+    assert q.weight_version == 2 and w2 is w1  # refreshed in place
+    assert not torch.equal(w2, w1_values) and torch.equal(w2, quantize(new, "mxfp4").dequantize())
     with pytest.raises(ValueError, match="weight"):
         q.set_weight(torch.randn(16, 31))
     with pytest.raises(ValueError, match="NaN"):
