@@ -244,6 +244,45 @@ if HAS_TRITON:
             tl.store(out_ptr + row * K + col, v, mask=m & (col < K))
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _pack_kernel(codes_ptr, out_ptr, NBYTES, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < NBYTES
+        lo = tl.load(codes_ptr + 2 * i, mask=m, other=0)
+        hi = tl.load(codes_ptr + 2 * i + 1, mask=m, other=0)
+        tl.store(out_ptr + i, (lo & 0xF) | ((hi & 0xF) << 4), mask=m)
+
+    @triton.jit
+    def _unpack_kernel(packed_ptr, out_ptr, NBYTES, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < NBYTES
+        b = tl.load(packed_ptr + i, mask=m, other=0)
+        tl.store(out_ptr + 2 * i, b & 0xF, mask=m)
+        tl.store(out_ptr + 2 * i + 1, b >> 4, mask=m)
+
+
+def pack_fp4_triton(codes: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Pack uint8 4-bit codes (last dim even) two per byte, even index in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"codes: last dimension must be even to pack, got {codes.shape[-1]}")
+    c = codes.contiguous()
+    out = torch.empty((*c.shape[:-1], c.shape[-1] // 2), dtype=torch.uint8, device=c.device)
+    n = out.numel()
+    _pack_kernel[(triton.cdiv(n, block),)](c, out, n, BLOCK=block)
+    return out
+
+
+def unpack_fp4_triton(packed: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Inverse of :func:`pack_fp4_triton`."""
+    p = packed.contiguous()
+    out = torch.empty((*p.shape[:-1], p.shape[-1] * 2), dtype=torch.uint8, device=p.device)
+    n = p.numel()
+    _unpack_kernel[(triton.cdiv(n, block),)](p, out, n, BLOCK=block)
+    return out
+
+
 def _tiles(bw: int, packed: bool, nblk: int) -> tuple[int, int]:
     w = next_pow2(bw // 2 if packed else bw)
     nb = max(1, min(next_pow2(nblk), 2048 // w))

@@ -109,3 +109,14 @@ def test_bit_exact_property(fmt, rows, cols, log_scale, seed):
 
 def test_formats_cover_all():
     assert {f for f, _ in CASES} == set(FORMATS)
+
+
+def test_pack_unpack_kernels():
+    from bitrl.quant import reference as ref
+
+    codes = torch.randint(0, 16, (3, 5, 70), dtype=torch.uint8, device=DEV)
+    packed = kq.pack_fp4_triton(codes)
+    assert torch.equal(packed.cpu(), ref.pack_fp4(codes.cpu()))
+    assert torch.equal(kq.unpack_fp4_triton(packed), codes)
+    with pytest.raises(ValueError, match="codes"):
+        kq.pack_fp4_triton(codes[..., :3])
