@@ -77,6 +77,7 @@ class QuantLinear(nn.Module):
         self.compute_dtype = dtype
         self.cache_dequantized = cache_dequantized
         self.source_name: str | None = None
+        self.source_transposed = False
         self.impl: str | None = None  # force "dequant_matmul", "w4a16_triton" or "scaled_mm" (tests)
         self.weight_version = 0
         self._meta: dict | None = None
@@ -98,9 +99,11 @@ class QuantLinear(nn.Module):
         cls, linear: nn.Linear, fmt: str, *, act: str | None = "auto", **quant_kwargs
     ) -> QuantLinear:
         w = linear.weight
+        conv1d = _is_conv1d(linear)  # transformers' Conv1D (GPT-2 family): weight is (in, out)
+        n_in, n_out = (w.shape[0], w.shape[1]) if conv1d else (linear.in_features, linear.out_features)
         q = cls(
-            linear.in_features,
-            linear.out_features,
+            n_in,
+            n_out,
             linear.bias is not None,
             fmt=fmt,
             act=act,
@@ -108,6 +111,7 @@ class QuantLinear(nn.Module):
             dtype=w.dtype,
             device=w.device,
         )
+        q.source_transposed = conv1d
         q.set_weight(w.detach())
         if linear.bias is not None:
             q.bias.data.copy_(linear.bias.detach())
@@ -116,7 +120,10 @@ class QuantLinear(nn.Module):
     @torch.no_grad()
     def set_weight(self, weight: torch.Tensor) -> None:
         """Quantize ``weight`` (out_features, in_features) into the packed buffers; bumps
-        ``weight_version``."""
+        ``weight_version``. A layer made from a transformers ``Conv1D`` takes that layer's (in, out)
+        weight."""
+        if self.source_transposed:
+            weight = weight.t()
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(
                 f"weight must have shape {(self.out_features, self.in_features)}, got {tuple(weight.shape)}"
@@ -251,7 +258,8 @@ def quantize_model(
     source: nn.Module | None = None,
     **quant_kwargs,
 ) -> nn.Module:
-    """Replace every ``nn.Linear`` of ``model`` (in place) by a :class:`QuantLinear`; returns ``model``.
+    """Replace every ``nn.Linear`` (and transformers ``Conv1D``) of ``model``, in place, by a
+    :class:`QuantLinear`; returns ``model``.
 
     Args:
         model: any module, e.g. a Hugging Face causal LM (quantize a ``copy.deepcopy`` to keep the original).
@@ -266,7 +274,7 @@ def quantize_model(
     _ensure_step_hook()
     skip = tuple(skip)
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or _skipped(name, skip):
+        if not (isinstance(module, nn.Linear) or _is_conv1d(module)) or _skipped(name, skip):
             continue
         q = QuantLinear.from_linear(module, fmt, act=act, **quant_kwargs)
         q.source_name = name
@@ -277,6 +285,10 @@ def quantize_model(
     if source is not None:
         model._bitrl_sync_state = {name: _signature(t, "version") for name, t in _named_tensors(source)}
     return model
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and module.weight.dim() == 2
 
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")

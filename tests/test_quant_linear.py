@@ -240,3 +240,24 @@ def test_requantize_from_wrapped_source():
     st = requantize_(qmodel, wrapped)
     assert st["requantized"] == 1
     _assert_synced(qmodel, policy, "mxfp4")
+
+
+def test_gpt2_conv1d_layers():
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=64, n_layer=2, n_head=2, n_positions=32)
+    torch.manual_seed(0)
+    policy = transformers.GPT2LMHeadModel(cfg).eval()
+    qmodel = quantize_model(
+        copy.deepcopy(policy), "mxfp4", act=None, skip=("lm_head", "wte", "wpe"), source=policy
+    )
+    n = sum(isinstance(m, QuantLinear) for m in qmodel.modules())
+    assert n == 2 * 4
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        rel = (qmodel(ids).logits - policy(ids).logits).norm() / policy(ids).logits.norm()
+        assert rel < 0.5
+        policy.transformer.h[0].mlp.c_fc.weight.mul_(1.5)
+    assert requantize_(qmodel, policy)["requantized"] == 1
+    w = policy.transformer.h[0].mlp.c_fc.weight.detach().t()
+    assert torch.equal(
+        qmodel.transformer.h[0].mlp.c_fc.dequantized_weight(), quantize(w, "mxfp4").dequantize()
+    )
