@@ -19,7 +19,7 @@ from bitrl.kernels.bench import CPU_QUICK, CPU_TARGET, GPU_TARGET, make_inputs, 
 
 FULL = os.environ.get("BITRL_BENCH_FULL", "0") not in ("", "0")
 MEMORY = os.environ.get("BITRL_BENCH_MEMORY", "0") not in ("", "0")
-SHAPE = dict(CPU_TARGET if FULL else CPU_QUICK)
+SHAPE = dict(CPU_TARGET if FULL else CPU_QUICK, pad=0.125)
 
 CASES = [(op, name) for op in ("grpo", "logprobs") for name in variants(op)]
 

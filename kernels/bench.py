@@ -45,8 +45,11 @@ def have(module: str) -> bool:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def make_inputs(N, H, V, B, dtype=torch.float32, device="cpu", seed=0):
-    """Deterministic GRPO inputs: hidden [B, T, H], weight [V, H], targets/old/mask [B, T], advantages [B]."""
+def make_inputs(N, H, V, B, dtype=torch.float32, device="cpu", seed=0, pad=0.125):
+    """Deterministic GRPO inputs: hidden [B, T, H], weight [V, H], targets/old/mask [B, T], advantages [B].
+
+    ``pad``: fraction of all tokens that are right padding (mask 0), put on every second sequence.
+    """
     T = N // B
     g = torch.Generator().manual_seed(seed)
     h = (torch.randn(B, T, H, generator=g) * 0.5).to(device=device, dtype=dtype)
@@ -55,7 +58,9 @@ def make_inputs(N, H, V, B, dtype=torch.float32, device="cpu", seed=0):
     old = (-torch.log(torch.tensor(float(V))) + 0.1 * torch.randn(B, T, generator=g)).to(device)
     adv = torch.randn(B, generator=g).to(device)
     mask = torch.ones(B, T, device=device)
-    mask[::2, T - T // 4 :] = 0  # some right padding
+    n_pad = min(T, int(round(2 * pad * T)))
+    if n_pad:
+        mask[::2, T - n_pad :] = 0  # right padding on every second sequence
     return dict(h=h, w=w, y=y, old=old, adv=adv, mask=mask)
 
 
@@ -74,7 +79,7 @@ def naive_grpo(h, w, y, old, adv, mask, eps=0.2):
     return (per * mask).sum() / mask.sum()
 
 
-def variants(op: str, impl: str | None = None) -> dict:
+def variants(op: str, impl: str | None = None, peers: bool = True) -> dict:
     """name -> fn(inputs) running forward + backward once."""
     from bitrl.kernels import fused_linear_policy_loss, fused_logprobs
 
@@ -112,7 +117,7 @@ def variants(op: str, impl: str | None = None) -> dict:
 
     out["naive torch"] = naive
     out["bitrl"] = fused
-    if have("liger_kernel"):
+    if peers and have("liger_kernel"):
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="bnpo", compiled=False)
@@ -190,13 +195,13 @@ def peak_rss_subprocess(op: str, name: str, shape: dict, dtype: str) -> float | 
         return None
 
 
-def cpu_section(shape: dict, dtype: str, reps: int, ops, memory: bool) -> list[dict]:
+def cpu_section(shape: dict, dtype: str, reps: int, ops, memory: bool, peers: bool = True) -> list[dict]:
     rows = []
     for op in ops:
         x = make_inputs(**shape, dtype=DTYPES[dtype])
         x["h"].requires_grad_(True)
         x["w"].requires_grad_(True)
-        fns = variants(op)
+        fns = variants(op, peers=peers)
         times = time_round_robin(fns, x, reps=reps)
         del x
         base_t = times["naive torch"]
@@ -285,6 +290,7 @@ def format_table(rows: list[dict]) -> str:
         "N",
         "H",
         "V",
+        "pad",
         "time s",
         "x naive",
         "x liger",
@@ -305,6 +311,7 @@ def format_table(rows: list[dict]) -> str:
             str(r["N"]),
             str(r["H"]),
             str(r["V"]),
+            f(r.get("pad"), ".3f"),
             f(r.get("time_s"), ".3f"),
             f(r.get("time_vs_naive"), ".2f"),
             f(r.get("time_vs_liger"), ".2f"),
@@ -324,11 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--H", type=int, help="hidden size (default 1024; quick 256)")
     p.add_argument("--V", type=int, help="vocabulary (default 32768; quick 4096)")
     p.add_argument("--B", type=int, help="sequences (default 16)")
+    p.add_argument("--pad", type=float, default=0.125, help="fraction of tokens that are padding (0.125)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per variant (median)")
     p.add_argument("--ops", default="grpo,logprobs", help="comma list: grpo, logprobs")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--no-gpu", action="store_true", help="skip the GPU section")
+    p.add_argument("--no-peers", action="store_true", help="skip Liger-Kernel / cut-cross-entropy")
     p.add_argument("--json", help="write the results to this JSON file")
     p.add_argument("--_peak", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -342,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in ("N", "H", "V", "B"):
         if getattr(args, k) is not None:
             shape[k] = getattr(args, k)
+    shape["pad"] = args.pad
     if shape["N"] % shape["B"]:
         p.error("--N must be a multiple of --B")
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
@@ -350,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         f"liger-kernel {'installed' if have('liger_kernel') else 'not installed'}",
         flush=True,
     )
-    rows = cpu_section(shape, args.dtype, args.reps, ops, memory=not args.no_memory)
+    rows = cpu_section(shape, args.dtype, args.reps, ops, memory=not args.no_memory, peers=not args.no_peers)
     if args.no_gpu:
         print("GPU section skipped (--no-gpu).")
     elif not torch.cuda.is_available():
