@@ -165,7 +165,8 @@ class QuantLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight as ``dtype`` (default: the compute dtype), cached per weight version."""
         dtype = dtype or self.compute_dtype
-        key = (self.weight_version, dtype, self.qdata.device)
+        # buffer versions too: load_state_dict / copy_ into the buffers must invalidate the cache
+        key = (self.weight_version, self.qdata._version, self.qscale._version, dtype, self.qdata.device)
         if self._deq is not None and self._deq_key == key:
             return self._deq
         w = self.qweight.dequantize(dtype)

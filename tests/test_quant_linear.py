@@ -261,3 +261,12 @@ def test_gpt2_conv1d_layers():
     assert torch.equal(
         qmodel.transformer.h[0].mlp.c_fc.dequantized_weight(), quantize(w, "mxfp4").dequantize()
     )
+
+
+def test_state_dict_roundtrip_invalidates_cache():
+    a = QuantLinear.from_linear(nn.Linear(32, 16), "nvfp4")
+    b = QuantLinear.from_linear(nn.Linear(32, 16), "nvfp4")
+    x = torch.randn(3, 32)
+    b(x)  # builds b's dequantized-weight cache
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(b(x), a(x))
