@@ -30,3 +30,25 @@ def test_peak_rss_is_measured_in_a_subprocess():
 def test_bench_rejects_bad_shapes():
     with pytest.raises(SystemExit):
         bench.main(["--N", "10", "--B", "3", "--no-memory"])
+
+
+def test_import_without_triton():
+    """`import bitrl.kernels` and the torch paths work where Triton is absent; forcing Triton says why not."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, bitrl.kernels as k\n"
+        "assert not k.HAS_TRITON\n"
+        "h, w, y = torch.randn(4, 3), torch.randn(7, 3), torch.randint(0, 7, (4,))\n"
+        "lp, ent = k.fused_logprobs(h, w, y)\n"
+        "loss, m = k.policy_loss(lp.view(2, 2), None, torch.ones(2), None)\n"
+        "try:\n"
+        "    k.fused_logprobs(h, w, y, impl='triton')\n"
+        "except RuntimeError as e:\n"
+        "    assert 'triton' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no error')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
