@@ -219,7 +219,7 @@ def test_aqn_with_requantize_loop():
         opt.zero_grad()
         requantize_(qmodel, policy)
         sigma = aqn.apply_(qmodel, step)
-        diff = (qmodel.model.norm.weight - policy.model.norm.weight).abs().max()
+        diff = (qmodel.model.norm.weight.detach() - policy.model.norm.weight.detach()).abs().max()
         assert float(diff) <= 6 * sigma + 1e-7  # noise around the *current* trainer weight
 
 
