@@ -122,12 +122,14 @@ def aggregate(rows: list[dict], variant: str) -> dict:
 
 
 @torch.no_grad()
-def aqn_effect(model: nn.Module, fmt: str, stages: int, *, seed: int = 0, tokens: int = 64) -> list[dict]:
+def aqn_effect(
+    model: nn.Module, fmt: str, stages: int, *, seed: int = 0, tokens: int = 64, **quant_kwargs
+) -> list[dict]:
     """Entropy and KL(p_ref || p_rollout) of the next-token distribution at each AQN stage's sigma."""
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (2, tokens), generator=torch.Generator().manual_seed(seed))
     ref_lp = torch.log_softmax(model(ids).logits.float(), -1)
-    qmodel = quantize_model(copy.deepcopy(model), fmt, act=None)
+    qmodel = quantize_model(copy.deepcopy(model), fmt, act=None, **quant_kwargs)
     sched = AQNSchedule(total_steps=stages, num_stages=stages)
     aqn = AQN(sched, seed=seed)
 
@@ -311,7 +313,7 @@ def run_report(
     )
     aqn = None
     if aqn_stages and hasattr(model, "config") and hasattr(model.config, "vocab_size"):
-        aqn = aqn_effect(model, fmt, aqn_stages)
+        aqn = aqn_effect(model, fmt, aqn_stages, **kw)
         print_fn(
             "  AQN (noise on the rollout copy's RMSNorm weights; targets the entropy effect of grid noise, "
             "not its energy):"
