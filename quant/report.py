@@ -32,6 +32,7 @@ from .analysis import error_decomposition, quantize_macroblock, quantize_outlier
 from .aqn import AQN, AQNSchedule
 from .formats import FORMATS
 from .linear import _skipped, quantize_model
+from .quantize import quantize
 
 PARTS = ("scale_bias", "deadzone", "grid_noise")
 
@@ -119,6 +120,45 @@ def aggregate(rows: list[dict], variant: str) -> dict:
     agg["deadzone_frac"] = sum(r[variant]["deadzone_frac"] * r["numel"] for r in rs) / n
     agg["fallback_frac"] = sum(r[variant]["fallback_frac"] * r["numel"] for r in rs) / n
     return agg
+
+
+@torch.no_grad()
+def output_effect(
+    model: nn.Module,
+    fmt: str,
+    *,
+    skip=("lm_head", "embed_tokens"),
+    macro_block: int = 128,
+    tau: float = 8.0,
+    seed: int = 0,
+    tokens: int = 64,
+    **quant_kwargs,
+) -> list[dict]:
+    """KL(unquantized || quantized) and entropy of the next-token distribution with every linear weight
+    replaced by its plain / macro-block / outlier-fallback reconstruction (the corrections' effect on the
+    outputs)."""
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, tokens), generator=torch.Generator().manual_seed(seed))
+    ref_lp = torch.log_softmax(model(ids).logits.float(), -1)
+    variants = {"plain": lambda w: quantize(w, fmt, **quant_kwargs).dequantize()}
+    if FORMATS[fmt].is_mx:
+        variants["macro_block"] = lambda w: quantize_macroblock(
+            w, fmt, macro_block=macro_block, **quant_kwargs
+        )[0]
+    variants["outlier_fallback"] = lambda w: quantize_outlier_fallback(
+        w, fmt, tau=tau, clip_tol=None, **quant_kwargs
+    )[0]
+    out = []
+    for name, fn in variants.items():
+        m = copy.deepcopy(model)
+        for lname, mod in m.named_modules():
+            if isinstance(mod, nn.Linear) and not _skipped(lname, skip):
+                mod.weight.copy_(fn(mod.weight.detach().float()).to(mod.weight.dtype))
+        lp = torch.log_softmax(m(ids).logits.float(), -1)
+        kl = float((ref_lp.exp() * (ref_lp - lp)).sum(-1).mean())
+        out.append({"variant": name, "kl_to_ref": kl, "entropy": float(-(lp.exp() * lp).sum(-1).mean())})
+        del m
+    return out
 
 
 @torch.no_grad()
@@ -261,6 +301,7 @@ def run_report(
     aqn_stages: int = 5,
     scale_mode: str = "floor",
     max_layers: int | None = None,
+    output_kl: bool = True,
     print_fn=print,
 ) -> dict:
     """Analyse every linear weight of ``model``; returns the report dict (also written to ``out_dir``)."""
@@ -311,6 +352,15 @@ def run_report(
         f"{100 * b['deadzone_frac']:.2f}% -> {100 * o['deadzone_frac']:.2f}%, "
         f"rel. error {b['rel_error']:.4f} -> {o['rel_error']:.4f}"
     )
+    outputs = None
+    if output_kl and hasattr(model, "config") and hasattr(model.config, "vocab_size"):
+        outputs = output_effect(model, fmt, skip=skip, macro_block=macro_block, tau=tau, **kw)
+        print_fn("  effect on the model's next-token distribution (random tokens):")
+        for o in outputs:
+            print_fn(
+                f"    {o['variant']:<17} KL(unquantized||quantized) {o['kl_to_ref']:.3e}  "
+                f"entropy {o['entropy']:.4f} nats"
+            )
     aqn = None
     if aqn_stages and hasattr(model, "config") and hasattr(model.config, "vocab_size"):
         aqn = aqn_effect(model, fmt, aqn_stages, **kw)
@@ -331,6 +381,7 @@ def run_report(
         "layers": {n: r for n, r in zip(names, rows)},
         "aggregate": agg,
         "aqn": aqn,
+        "outputs": outputs,
         "settings": {"macro_block": macro_block, "tau": tau, "aqn_stages": aqn_stages},
     }
     if out_dir:
@@ -359,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tau", type=float, default=8.0, help="outlier threshold, in block medians")
     p.add_argument("--aqn-stages", type=int, default=5, help="0 disables the AQN section")
     p.add_argument("--max-layers", type=int, default=None)
+    p.add_argument("--no-output-kl", action="store_true", help="skip the model-output comparison")
     p.add_argument("--hidden", type=int, default=640, help="--demo: hidden size")
     p.add_argument("--layers", type=int, default=4, help="--demo: number of layers")
     p.add_argument("--seed", type=int, default=0)
@@ -380,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         macro_block=args.macro_block,
         tau=args.tau,
         aqn_stages=args.aqn_stages,
+        output_kl=not args.no_output_kl,
         scale_mode=args.scale_mode,
         max_layers=args.max_layers,
     )

@@ -240,6 +240,10 @@ def test_report_on_tiny_model(tmp_path):
     assert agg["macro_block"]["E_scale_bias"] < agg["base"]["E_scale_bias"]
     assert agg["outlier_fallback"]["E_deadzone"] <= agg["base"]["E_deadzone"]
     assert math.isclose(agg["base"]["rel_error"] ** 2, agg["base"]["E_total"])
+    outs = {o["variant"]: o["kl_to_ref"] for o in rep["outputs"]}
+    assert set(outs) == {"plain", "macro_block", "outlier_fallback"}
+    # the fake-quantized model and the quantize_model (QuantLinear) model give the same outputs
+    assert outs["plain"] == pytest.approx(rep["aqn"][1]["kl_to_ref"], rel=1e-4, abs=1e-9)
 
 
 def test_report_cli(tmp_path, capsys):
