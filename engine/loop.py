@@ -44,7 +44,7 @@ def build(cfg: Config):
 
 
 def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
-    """Train as `cfg` says; with `resume`, continue from cfg.run_dir's checkpoint. Returns the metric records."""
+    """Train as `cfg` says; with `resume`, continue from cfg.run_dir's checkpoint. Returns the metrics."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     run_dir = cfg.run_dir

@@ -1,0 +1,36 @@
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Warm starts cached by tests never touch the user's cache."""
+    monkeypatch.setenv("BITRL_CACHE", str(tmp_path_factory.getbasetemp() / "bitrl-cache"))
+
+
+@pytest.fixture
+def tiny_qwen():
+    """A 2-layer Qwen2 causal LM with a 16-token vocabulary, random weights, fp32."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+def pytest_report_header(config):
+    interpret = os.environ.get("TRITON_INTERPRET")
+    return f"torch {torch.__version__}, cuda: {torch.cuda.is_available()}, TRITON_INTERPRET={interpret}"

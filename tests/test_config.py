@@ -1,0 +1,55 @@
+import pytest
+
+from bitrl.engine.cli import main as cli_main
+from bitrl.engine.config import ConfigError, load_config
+
+
+def test_defaults_are_the_demo():
+    cfg = load_config()
+    assert cfg.model.path is None and cfg.task.kind == "arithmetic" and cfg.name == "demo"
+
+
+def test_overrides_and_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 0.002\nrollout:\n  group_size: 4\n")
+    cfg = load_config(path, ["rollout.group_size=6", "name=x", "task.ops=+-"])
+    assert cfg.train.lr == 0.002 and cfg.rollout.group_size == 6 and cfg.name == "x" and cfg.task.ops == "+-"
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("train.lrr=1", "train.lrr: unknown field"),
+        ("bogus=1", "bogus: unknown field"),
+        ("train.lr=-1", "train.lr"),
+        ("rollout.top_p=1.5", "rollout.top_p"),
+        ("rollout.group_size=zero", "rollout.group_size"),
+        ("train.loss_type=nope", "train.loss_type"),
+        ("train.advantage=nope", "train.advantage"),
+        ("task.reward=nope", "task.reward"),
+        ("task.kind=jsonl", "task.path"),
+        ("model.num_heads=3", "model.hidden_size must divide"),
+        ("model.dtype=float64", "model.dtype"),
+    ],
+)
+def test_bad_values_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["train.lr"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "none.yaml")
+    with pytest.raises(ConfigError, match="not a section"):
+        load_config(None, ["name=x", "name.y=1"])
+
+
+def test_cli_stops_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["train", "train.lrr=1"]) == 2
+    assert "train.lrr: unknown field" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+    assert cli_main(["nope"]) == 2
+    assert cli_main(["--help"]) == 0

@@ -1,0 +1,134 @@
+import math
+
+import pytest
+import torch
+
+from bitrl.rollout.engine import Rollout, generate, left_pad
+from bitrl.rollout.sampling import filtered_logprobs, sample_tokens
+from bitrl.train.logprobs import token_logprobs
+
+
+def _prompts():
+    return [[1, 5, 6, 7], [1, 8], [1, 9, 10, 11, 12, 13]]
+
+
+def test_left_pad():
+    ids, mask = left_pad([[3, 4], [5]], pad_id=0)
+    assert ids.tolist() == [[3, 4], [0, 5]]
+    assert mask.tolist() == [[True, True], [False, True]]
+    with pytest.raises(ValueError):
+        left_pad([[1], []], 0)
+
+
+def test_generate_shapes_masks_and_eos(tiny_qwen):
+    g = torch.Generator().manual_seed(0)
+    r = generate(tiny_qwen, _prompts(), max_new_tokens=12, eos_id=2, pad_id=0, generator=g)
+    assert r.response_ids.shape == r.response_mask.shape == r.logprobs.shape
+    assert r.logprobs.dtype == torch.float32
+    for ids, mask in zip(r.response_ids, r.response_mask):
+        n = int(mask.sum())
+        assert mask[:n].all() and not mask[n:].any()  # a contiguous prefix
+        eos = (ids[:n] == 2).nonzero()
+        assert len(eos) <= 1 and (len(eos) == 0 or eos.item() == n - 1)  # EOS only as the last kept token
+        assert (ids[n:] == 0).all()
+    assert (r.logprobs[~r.response_mask] == 0).all() and (r.logprobs[r.response_mask] <= 0).all()
+
+
+def test_generate_is_deterministic_under_a_seed(tiny_qwen):
+    runs = [
+        generate(
+            tiny_qwen,
+            _prompts(),
+            max_new_tokens=8,
+            eos_id=2,
+            pad_id=0,
+            generator=torch.Generator().manual_seed(s),
+        )
+        for s in (7, 7, 8)
+    ]
+    assert torch.equal(runs[0].response_ids, runs[1].response_ids)
+    assert torch.equal(runs[0].logprobs, runs[1].logprobs)
+    assert not torch.equal(runs[0].response_ids, runs[2].response_ids)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_rollout_logprobs_equal_a_full_forward(tiny_qwen, temperature):
+    """The KV-cached, left-padded generation scores tokens exactly as one forward over the whole sequence."""
+    g = torch.Generator().manual_seed(1)
+    r = generate(
+        tiny_qwen, _prompts(), max_new_tokens=10, eos_id=2, pad_id=0, temperature=temperature, generator=g
+    )
+    with torch.no_grad():
+        full, _ = token_logprobs(tiny_qwen, r, temperature=temperature)
+    m = r.response_mask
+    torch.testing.assert_close(r.logprobs[m], full[m], atol=2e-5, rtol=1e-5)
+
+
+def test_rollout_logprobs_with_top_k_top_p_match_the_filtered_full_forward(tiny_qwen):
+    g = torch.Generator().manual_seed(2)
+    r = generate(
+        tiny_qwen, _prompts(), max_new_tokens=10, eos_id=2, pad_id=0, top_k=6, top_p=0.8, generator=g
+    )
+    ids, mask, pos = r.full_sequence()
+    with torch.no_grad():
+        logits = tiny_qwen(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits
+    p = r.prompt_ids.shape[1]
+    logits = logits[:, p - 1 : p - 1 + r.response_ids.shape[1]]
+    ref = filtered_logprobs(logits, 1.0, 6, 0.8).gather(-1, r.response_ids[..., None]).squeeze(-1)
+    m = r.response_mask
+    assert torch.isfinite(ref[m]).all()  # every sampled token lies in the kept support
+    torch.testing.assert_close(r.logprobs[m], ref[m], atol=2e-5, rtol=1e-5)
+
+
+def test_filtered_logprobs_support_and_normalisation():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    probs = torch.softmax(logits, -1)[0]
+    lp = filtered_logprobs(logits, top_k=3)
+    assert torch.isinf(lp[0, 3:]).all() and math.isclose(lp.exp().sum().item(), 1.0, rel_tol=1e-6)
+    # top-p keeps the smallest prefix whose mass reaches p: here the first two tokens.
+    p = float(probs[:2].sum()) - 1e-4
+    lp = filtered_logprobs(logits, top_p=p)
+    assert torch.isfinite(lp[0, :2]).all() and torch.isinf(lp[0, 2:]).all()
+    # top-p below the first token's mass still keeps the first token.
+    assert torch.isfinite(filtered_logprobs(logits, top_p=0.01)[0]).sum() == 1
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.5, 0, 0.7), (1.0, 3, 0.9)]
+)
+def test_empirical_sampling_frequencies_match_the_distribution(temperature, top_k, top_p):
+    """Many draws from a 6-token vocabulary: frequencies match the filtered distribution (chi-square)."""
+    logits = torch.tensor([2.0, 1.5, 0.5, 0.0, -0.5, -2.0])
+    n = 60000
+    g = torch.Generator().manual_seed(0)
+    tokens, logps = sample_tokens(
+        logits.expand(n, -1), temperature=temperature, top_k=top_k, top_p=top_p, generator=g
+    )
+    expected = filtered_logprobs(logits, temperature, top_k, top_p).exp()
+    counts = torch.bincount(tokens, minlength=6).double()
+    support = expected > 0
+    assert (counts[~support] == 0).all()
+    chi2 = (((counts - n * expected) ** 2) / (n * expected))[support].sum().item()
+    dof = int(support.sum()) - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * dof) + 10, chi2  # far beyond the 99.99th percentile otherwise
+    torch.testing.assert_close(logps, expected.log()[tokens].float())
+
+
+def test_greedy_decoding_has_zero_logprob(tiny_qwen):
+    r = generate(tiny_qwen, _prompts(), max_new_tokens=4, eos_id=2, pad_id=0, temperature=0.0)
+    assert (r.logprobs == 0).all()
+    with torch.no_grad():
+        first = tiny_qwen(input_ids=torch.tensor([_prompts()[0]])).logits[0, -1].argmax()
+    assert r.response_ids[0, 0] == first
+
+
+def test_rollout_dataclass_full_sequence_positions():
+    r = Rollout(
+        prompt_ids=torch.tensor([[0, 1, 5]]),
+        prompt_mask=torch.tensor([[False, True, True]]),
+        response_ids=torch.tensor([[6, 2, 0]]),
+        response_mask=torch.tensor([[True, True, False]]),
+        logprobs=torch.zeros(1, 3),
+    )
+    ids, mask, pos = r.full_sequence()
+    assert pos.tolist() == [[0, 0, 1, 2, 3, 3]] and r.num_tokens == 2

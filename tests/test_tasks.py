@@ -1,0 +1,98 @@
+import json
+import random
+
+import pytest
+
+from bitrl.engine.tasks import REWARDS, ArithmeticTask, CharTokenizer, JsonlTask, extract_final_answer
+
+
+def test_char_tokenizer_round_trip_and_specials():
+    tok = CharTokenizer("0123456789+-=")
+    ids = tok.encode("12+3=", add_special_tokens=True)
+    assert ids[0] == tok.bos_token_id and len(ids) == 6
+    assert tok.decode(ids) == "12+3="
+    assert tok.decode(tok.encode("45") + [tok.eos_token_id] + tok.encode("9")) == "45"
+    assert tok.vocab_size == 3 + 13
+
+
+def test_char_tokenizer_rejects_unknown_characters(tmp_path):
+    tok = CharTokenizer("0123456789")
+    with pytest.raises(ValueError, match=r"\['x'\]"):
+        tok.encode("1x")
+    tok.save_pretrained(tmp_path)
+    assert CharTokenizer.from_pretrained(tmp_path).itos == tok.itos
+
+
+def test_arithmetic_task_answers_and_heldout_split():
+    task = ArithmeticTask(digits=2, n_eval=100, seed=3)
+    assert len(task.eval_problems) == 100
+    rng = random.Random(0)
+    for _ in range(2000):
+        p = task.sample(rng)
+        a, op, b = p.uid.partition("+") if "+" in p.uid else p.uid.partition("-")
+        assert int(p.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert p.prompt == p.uid + "="
+    heldout = {p.uid for p in task.eval_problems}
+    assert not heldout & {task.sample(rng).uid for _ in range(5000)}
+    # The same seed gives the same split; another seed another one.
+    assert [p.uid for p in ArithmeticTask(2, 100, seed=3).eval_problems] == [
+        p.uid for p in task.eval_problems
+    ]
+    assert [p.uid for p in ArithmeticTask(2, 100, seed=4).eval_problems] != [
+        p.uid for p in task.eval_problems
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [({"digits": 0}, "digits"), ({"ops": "*"}, "ops"), ({"digits": 1, "n_eval": 100}, "n_eval")],
+)
+def test_arithmetic_task_bad_settings(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ArithmeticTask(**kwargs)
+
+
+def test_exact_reward():
+    assert REWARDS["exact"]("133", "133") == 1.0
+    assert REWARDS["exact"](" 133 ", "133") == 1.0
+    assert REWARDS["exact"]("1330", "133") == 0.0
+    assert REWARDS["exact"]("", "0") == 0.0
+
+
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        ("so the answer is 42.", "42", 1.0),
+        ("#### 1,234", "1234", 1.0),
+        ("we get \\boxed{1/2}", "0.5", 1.0),
+        ("first 3 then 7", "7", 1.0),
+        ("first 3 then 7", "3", 0.0),
+        ("\\boxed{x+1}", "x + 1", 1.0),
+        ("no number here", "5", 0.0),
+        ("-12", "-12.0", 1.0),
+    ],
+)
+def test_math_reward(completion, answer, expected):
+    assert REWARDS["math"](completion, answer) == expected
+
+
+def test_extract_final_answer_prefers_boxed():
+    assert extract_final_answer("2 and \\boxed{5} then 9") == "5"
+
+
+def test_jsonl_task_reads_and_validates(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": i}) for i in range(10)) + "\n")
+    task = JsonlTask(path, n_eval=3, seed=0)
+    assert len(task.eval_problems) == 3 and len(task.train_problems) == 7
+    assert all(p.answer == p.prompt[1:] for p in task.eval_problems)
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": 1}\n{"prompt": "b"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: missing field 'answer'"):
+        JsonlTask(bad)
+    bad.write_text('{"prompt": "a", "answer": 1}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        JsonlTask(bad)
+    with pytest.raises(ValueError, match="no such file"):
+        JsonlTask(tmp_path / "missing.jsonl")
