@@ -55,8 +55,8 @@ def warm_start(policy, tokenizer, task, cfg, log=print) -> bool:
     """Train `policy` in place on reference answers, or load the cached result. Returns True on a cache hit.
 
     Stops after `warmstart.steps` steps, or earlier once greedy accuracy on a validation sample of the
-    training distribution reaches `warmstart.target_accuracy`: RL should start from a model that is right sometimes,
-    not from one that has already solved the task.
+    training distribution reaches `warmstart.target_accuracy`: RL should start from a model that is right
+    sometimes, not from one that has already solved the task.
     """
     ws = cfg.warmstart
     if ws.steps == 0:
