@@ -93,18 +93,19 @@ class TrainConfig(Section):
     aggregation: str = "token-mean"
     clip_eps_low: float = Field(0.2, ge=0, lt=1)
     clip_eps_high: float = Field(0.28, ge=0)
+    clip_ratio_c: float | None = Field(None, gt=1)  # dual clip for negative advantages; None disables it
     entropy_coef: float = Field(0.0, ge=0)
     correction: str = "none"
     correction_cap: float = Field(2.0, gt=0)
 
     @model_validator(mode="after")
     def _names(self):
+        from bitrl.kernels import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
         from bitrl.train.advantages import ADVANTAGES
-        from bitrl.train.losses import AGGREGATIONS, CORRECTIONS, LOSSES
 
         for field, table in (
             ("advantage", ADVANTAGES),
-            ("loss_type", LOSSES),
+            ("loss_type", POLICY_LOSSES),
             ("aggregation", AGGREGATIONS),
             ("correction", CORRECTIONS),
         ):

@@ -1,36 +1,42 @@
-"""The trainer's forward: per-token log-probs and entropies of a rollout's responses under the policy."""
+"""The trainer's forward: per-token log-probs and entropies of a rollout's responses under the policy.
+
+The base model runs over prompt + response; the LM head is applied inside `bitrl.kernels.fused_logprobs`,
+which never builds the [tokens, vocab] logits.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from bitrl.kernels import fused_logprobs
 from bitrl.rollout.engine import Rollout
 
 
 def response_hidden_states(model, rollout: Rollout) -> torch.Tensor:
-    """Hidden states that predict each response token: [B, R, H] in the model's dtype.
-
-    Runs the base model (no LM head) over prompt + response, so the caller can project to the vocabulary
-    in a fused op without building [B, R, V] logits for the prompt part.
-    """
+    """Hidden states that predict each response token: [B, R, H] in the model's dtype."""
     ids, mask, pos = rollout.full_sequence()
-    base = model.base_model
-    hidden = base(input_ids=ids, attention_mask=mask.long(), position_ids=pos).last_hidden_state
-    prompt_len = rollout.prompt_ids.shape[1]
-    response_len = rollout.response_ids.shape[1]
-    # Position t predicts token t+1: the response token j is predicted from position prompt_len - 1 + j.
+    hidden = model.base_model(input_ids=ids, attention_mask=mask.long(), position_ids=pos).last_hidden_state
+    prompt_len, response_len = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
+    # Position t predicts token t+1: response token j is predicted from position prompt_len - 1 + j.
     return hidden[:, prompt_len - 1 : prompt_len - 1 + response_len]
 
 
 def token_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_entropy: bool = True):
     """(logprobs [B, R] fp32, entropy [B, R] fp32 or None) of the response tokens at `temperature`.
 
-    Masked positions hold finite values; callers weight them out with rollout.response_mask.
+    Positions outside rollout.response_mask hold 0.
     """
     hidden = response_hidden_states(model, rollout)
+    batch, length, width = hidden.shape
     head = model.get_output_embeddings()
-    logits = head(hidden).float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logprobs = logp_all.gather(-1, rollout.response_ids[..., None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    return logprobs, entropy
+    targets = rollout.response_ids.masked_fill(~rollout.response_mask, -100)
+    logprobs, entropy = fused_logprobs(
+        hidden.reshape(-1, width),
+        head.weight,
+        targets.reshape(-1),
+        temperature=temperature,
+        bias=getattr(head, "bias", None),
+        return_entropy=with_entropy,
+    )
+    entropy = entropy.view(batch, length) if entropy is not None else None
+    return logprobs.view(batch, length), entropy

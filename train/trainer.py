@@ -6,9 +6,19 @@ import math
 
 import torch
 
+from bitrl.kernels import policy_loss
 from bitrl.rollout.engine import Rollout
 from bitrl.train.logprobs import token_logprobs
-from bitrl.train.losses import policy_loss
+
+# Loss metrics worth a column in metrics.jsonl; rollout/trainer mismatch is logged once per batch below.
+LOGGED_LOSS_METRICS = (
+    "clipfrac",
+    "clipfrac_low",
+    "clipfrac_high",
+    "ratio_mean",
+    "ratio_max",
+    "is_weight_mean",
+)
 
 
 def rollout_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
@@ -51,12 +61,13 @@ class PolicyTrainer:
                     advantages[rows],
                     part.response_mask,
                     loss_type=cfg.loss_type,
-                    aggregation=cfg.aggregation,
-                    clip_eps_low=cfg.clip_eps_low,
-                    clip_eps_high=cfg.clip_eps_high,
+                    loss_agg_mode=cfg.aggregation,
+                    eps_low=cfg.clip_eps_low,
+                    eps_high=cfg.clip_eps_high,
+                    clip_ratio_c=cfg.clip_ratio_c,
                     rollout_logprobs=part.logprobs,
                     correction=cfg.correction,
-                    correction_kwargs={"cap": cfg.correction_cap},
+                    correction_cap=cfg.correction_cap,
                     entropy=entropy,
                     entropy_coef=cfg.entropy_coef,
                 )
@@ -67,7 +78,7 @@ class PolicyTrainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
                 self.optimizer.step()
                 fmask = part.response_mask.float()
-                metrics |= {
+                metrics = {k: float(v) for k, v in metrics.items() if k in LOGGED_LOSS_METRICS} | {
                     "loss": loss.item(),
                     "grad_norm": grad_norm.item(),
                     "entropy": float((entropy.detach() * fmask).sum() / fmask.sum().clamp(min=1)),
