@@ -284,3 +284,13 @@ def test_triton_gradient_written_in_low_precision_buffer():
     full = fl.row_grad_triton(z.clone(), y, inv_t, lse, mz, g_lp, g_ent)
     assert low.dtype == torch.bfloat16 and low.data_ptr() == out.data_ptr()
     assert_close(low.float().cpu(), full.cpu(), atol=1e-6, rtol=1e-2)
+
+
+def test_wrong_device_names_the_argument():
+    h, w, y, b = _inputs(4, 8, 10, torch.float32, bias=True)
+    with pytest.raises(ValueError, match="targets"):
+        fused_logprobs(h, w, y.to("meta"))
+    with pytest.raises(ValueError, match="weight"):
+        fused_logprobs(h, w.to("meta"), y)
+    with pytest.raises(ValueError, match="bias"):
+        fused_logprobs(h, w, y, bias=b.to("meta"))

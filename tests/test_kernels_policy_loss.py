@@ -420,3 +420,14 @@ def test_every_loss_type_and_aggregation(loss_type, agg):
         assert torch.isfinite(a).all()
         assert_close(a, b, atol=1e-12, rtol=1e-10)
     assert torch.all(got[1][0] == 0)  # the all-masked first sequence gets no gradient
+
+
+def test_wrong_device_names_the_argument():
+    lp = torch.zeros(2, 3)
+    meta = torch.zeros(2, 3, device="meta")
+    with pytest.raises(ValueError, match="old_logprobs"):
+        policy_loss(lp, meta, torch.ones(2), None)
+    with pytest.raises(ValueError, match="mask"):
+        policy_loss(lp, None, torch.ones(2), meta)
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        policy_loss(lp, lp, torch.ones(2), None, rollout_logprobs=meta, correction="tis")
