@@ -202,9 +202,12 @@ def cpu_section(shape: dict, dtype: str, reps: int, ops, memory: bool, peers: bo
         x["h"].requires_grad_(True)
         x["w"].requires_grad_(True)
         fns = variants(op, peers=peers)
+        print(f"  timing {op}: {', '.join(fns)} ...", flush=True)
         times = time_round_robin(fns, x, reps=reps)
         del x
         base_t = times["naive torch"]
+        if memory:
+            print(f"  peak memory {op}: one fresh subprocess per variant ...", flush=True)
         mems = {k: (peak_rss_subprocess(op, k, shape, dtype) if memory else None) for k in fns}
         base_m = mems.get("naive torch")
         for k in fns:
