@@ -1,0 +1,545 @@
+"""Speculative rollout reuse (SPEC-RL): last epoch's responses are drafts that the current policy verifies.
+
+For every prompt seen before, the rollout cache holds the response sampled for it last time, the log-probs
+it was sampled with (pi_old) and, for the "exact" mode, the top-k of the old sampling distribution at each
+position. `generate_with_drafts` then
+
+1. runs ONE batched forward over prompt + draft for every row (rows without a draft are just prefilled);
+2. accepts draft token i if u_i <= min(1, lenience * pi_new(y_i) / pi_old(y_i)), tested in log space, with
+   u_i drawn from the rollout generator; the accepted prefix is the run of accepted tokens before the first
+   rejection;
+3. returns fully accepted, finished drafts as they are, and resumes generation for the other rows at their
+   first rejected position, reusing the verification KV cache (no second prefill). Rejected draft columns
+   stay in the cache but are masked out of attention; every row keeps its own position counter, so left
+   padding and per-row accepted lengths need no copying of the cache. Trailing columns rejected in every
+   resumed row are cropped, rows that need no generation are dropped from the cache before decoding.
+
+At the first rejected position the "spec-rl" mode samples from pi_new (SPEC-RL); the "exact" mode samples
+from the residual norm(max(0, pi_new - min(pi_old, lenience * pi_new))), which is plain speculative sampling
+at lenience 1 (and exact for every lenience <= 1; for lenience > 1 it equals norm(max(0, pi_new - pi_old))
+and the accepted part is biased). pi_old is known only on the stored top-k tokens plus the drafted token:
+the rest of its mass is treated as zero, so the residual over-weights tokens outside the stored support
+(exact when the stored support covers the old distribution, e.g. top_k / top_p filtering with k <=
+exact_topk, or a small vocabulary).
+
+The log-probs returned are those of the current rollout policy's sampling distribution for every token,
+accepted or generated (filtered and renormalised like `generate`'s), so the trainer sees an ordinary
+`Rollout`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from bitrl.rollout.engine import Rollout, left_pad, position_ids_from_mask
+from bitrl.rollout.sampling import filtered_logprobs
+
+MODES = ("spec-rl", "exact")
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def prompt_fingerprint(prompt: list[int]) -> int:
+    """A stable 32-bit hash of a prompt's token ids (guards a cache key against a changed prompt)."""
+    return zlib.crc32(torch.tensor(prompt, dtype=torch.int64).numpy().tobytes())
+
+
+@dataclass
+class Draft:
+    """One cached response. tokens [L] int64 and logprobs [L] fp32 (log-probs of the distribution each token
+    was sampled from); top_ids [L, K] int64 / top_logprobs [L, K] fp32: the K most likely tokens of that
+    distribution (K may be 0). prompt_hash: `prompt_fingerprint` of the prompt it answers."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    prompt_hash: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+
+class RolloutCache:
+    """Drafts keyed by prompt identity, least recently used out once they hold more than `max_tokens`
+    tokens.
+
+    A key is any hashable, picklable value (the loop uses (problem uid, sample index within the group)). The
+    cost of an entry is its number of response tokens; a draft longer than the cap is not stored.
+    """
+
+    def __init__(self, max_tokens: int):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict = OrderedDict()
+        self.tokens = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list:
+        """Keys from least to most recently used."""
+        return list(self._entries)
+
+    def get(self, key, prompt_hash: int | None = None) -> Draft | None:
+        """The draft for `key` (marking it most recently used), or None. A draft recorded for a different
+        prompt (its prompt_hash differs from a given one) is dropped and counts as a miss."""
+        draft = self._entries.get(key)
+        if draft is None:
+            return None
+        if prompt_hash is not None and draft.prompt_hash != prompt_hash:
+            self._remove(key)
+            return None
+        self._entries.move_to_end(key)
+        return draft
+
+    def put(self, key, draft: Draft) -> None:
+        if key in self._entries:
+            self._remove(key)
+        if draft.num_tokens > self.max_tokens:
+            return
+        self._entries[key] = draft
+        self.tokens += draft.num_tokens
+        while self.tokens > self.max_tokens:
+            self._remove(next(iter(self._entries)))
+            self.evictions += 1
+
+    def _remove(self, key) -> None:
+        self.tokens -= self._entries.pop(key).num_tokens
+
+    def state_dict(self) -> dict:
+        return {
+            "max_tokens": self.max_tokens,
+            "evictions": self.evictions,
+            "entries": [(k, d.__dict__.copy()) for k, d in self._entries.items()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._entries = OrderedDict((k, Draft(**d)) for k, d in state["entries"])
+        self.tokens = sum(d.num_tokens for d in self._entries.values())
+        self.evictions = state["evictions"]
+        if self.tokens > self.max_tokens:  # the cap may have been lowered since the checkpoint
+            while self.tokens > self.max_tokens:
+                self._remove(next(iter(self._entries)))
+                self.evictions += 1
+
+
+# --------------------------------------------------------------------------- acceptance
+
+
+def acceptance(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    uniforms: torch.Tensor,
+    lengths: torch.Tensor,
+    lenience: float = 1.0,
+):
+    """Per-token acceptance and accepted-prefix length.
+
+    new_logprobs, old_logprobs, uniforms: [B, D] (log pi_new(y_i), log pi_old(y_i), u_i ~ U[0, 1)); lengths:
+    [B] draft lengths (positions >= length are ignored). Token i is accepted iff log u_i <= min(0,
+    log(lenience) + log pi_new(y_i) - log pi_old(y_i)), i.e. u_i <= min(1, lenience * ratio); a token
+    outside the new support (log pi_new = -inf) is never accepted. Returns (accepted [B, D] bool,
+    accepted_len [B] int64: the number of leading accepted tokens).
+    """
+    if lenience <= 0 or not math.isfinite(lenience):
+        raise ValueError(f"lenience must be a finite number > 0, got {lenience}")
+    log_ratio = math.log(lenience) + new_logprobs.float() - old_logprobs.float()
+    accepted = torch.log(uniforms.float()) <= log_ratio.clamp(max=0.0)
+    accepted &= torch.isfinite(new_logprobs)
+    width = new_logprobs.shape[1]
+    in_draft = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+    accepted &= in_draft
+    accepted_len = accepted.long().cumprod(dim=1).sum(dim=1)
+    return accepted, accepted_len
+
+
+def residual_logprobs(
+    new_logprobs: torch.Tensor,
+    old_ids: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    lenience: float = 1.0,
+) -> torch.Tensor:
+    """log norm(max(0, p - min(q, lenience * p))) per row, the distribution to resample a rejected position
+    from.
+
+    new_logprobs: [N, V] log p (the current sampling distribution); old_ids / old_logprobs: [N, K] the known
+    entries of q (unknown entries count as 0; -inf entries and duplicates are harmless). Where the residual
+    has no mass (p == q), returns log p.
+    """
+    p = new_logprobs.float().exp()
+    q = torch.zeros_like(p).scatter(-1, old_ids, old_logprobs.float().exp())
+    residual = (p - torch.minimum(q, lenience * p)).clamp(min=0.0)
+    mass = residual.sum(-1, keepdim=True)
+    empty = mass <= 1e-12
+    residual = torch.where(empty, p, residual / mass.clamp(min=1e-30))
+    return residual.log()
+
+
+# --------------------------------------------------------------------------- generation from drafts
+
+
+@dataclass
+class ReuseStats:
+    """What one `generate_with_drafts` call did. accepted / draft_len: [B] (0 where a row had no draft)."""
+
+    has_draft: torch.Tensor
+    draft_len: torch.Tensor
+    accepted: torch.Tensor
+    fully_reused: torch.Tensor
+    tokens_generated: int
+    tokens_returned: int
+    verify_time_s: float
+    decode_steps: int
+    max_new_tokens: int
+    extra: dict = field(default_factory=dict)
+
+    def metrics(self) -> dict:
+        """Scalars (and one histogram list) for a step record; prefixed `reuse_`."""
+        rows = self.has_draft
+        acc = self.accepted[rows].float()
+        out = {
+            "reuse_hit_rate": float(rows.float().mean()),
+            "reuse_full_frac": float(self.fully_reused.float().mean()),
+            "reuse_tokens_generated": self.tokens_generated,
+            "reuse_tokens_returned": self.tokens_returned,
+            "reuse_verify_time_s": self.verify_time_s,
+            "reuse_decode_steps": self.decode_steps,
+        }
+        if rows.any():
+            q = torch.quantile(acc, torch.tensor([0.1, 0.5, 0.9]))
+            out |= {
+                "reuse_accept_len_mean": float(acc.mean()),
+                "reuse_accept_len_p10": float(q[0]),
+                "reuse_accept_len_p50": float(q[1]),
+                "reuse_accept_len_p90": float(q[2]),
+                "reuse_accept_token_frac": float(acc.sum() / self.draft_len[rows].sum().clamp(min=1)),
+                "reuse_accept_hist": torch.bincount(
+                    self.accepted[rows], minlength=self.max_new_tokens + 1
+                ).tolist(),
+            }
+        return out | self.extra
+
+
+def _top(logp: torch.Tensor, k: int):
+    """Top-k (ids int64, logprobs fp32) over the last dim of logp [..., V]; k = 0 gives empty tensors."""
+    k = min(k, logp.shape[-1])
+    if k == 0:
+        empty = logp.new_empty((*logp.shape[:-1], 0))
+        return empty.long(), empty.float()
+    values, ids = torch.topk(logp, k, dim=-1)
+    return ids, values.float()
+
+
+@torch.no_grad()
+def generate_with_drafts(
+    model,
+    prompts: list[list[int]],
+    drafts: list[Draft | None],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    lenience: float = 1.0,
+    mode: str = "spec-rl",
+    keep_topk: int = 0,
+    generator: torch.Generator | None = None,
+) -> tuple[Rollout, ReuseStats, list[Draft]]:
+    """Verify each row's draft with the current policy, then generate past the first rejection.
+
+    prompts: token lists; drafts: a Draft or None per row (drafts longer than max_new_tokens are cut).
+    Returns (rollout, stats, new_drafts): the Rollout has the layout and log-prob convention of `generate`
+    (log-probs of the current policy's sampling distribution for every returned token); new_drafts are the
+    returned responses as drafts for the next epoch (with the top-`keep_topk` of the current distribution at
+    every position).
+
+    Random numbers, all from `generator`: one uniform per draft position ([B, max draft length], none when
+    no row has a draft), then per decoding step one multinomial over the rows that still need generation, as
+    `generate` draws them. So given a generator state after the uniforms, the resumed rows produce the
+    tokens that `generate` produces for the prompts extended by their accepted prefixes (spec-rl mode, or
+    rows that were not rejected).
+    """
+    from transformers import DynamicCache
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if temperature <= 0:
+        raise ValueError("speculative reuse needs sampling (temperature > 0)")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(drafts) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(drafts)} drafts")
+    t_start = time.perf_counter()
+    device = next(model.parameters()).device
+    batch = len(prompts)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
+
+    # ---- 1. one forward over prompt + draft for every row
+    draft_tokens = [(d.tokens[:max_new_tokens].tolist() if d is not None else []) for d in drafts]
+    n = torch.tensor([len(t) for t in draft_tokens], dtype=torch.long, device=device)
+    width_d = int(n.max())
+    ids, mask = left_pad([p + t for p, t in zip(prompts, draft_tokens)], pad_id, device)
+    attn = mask.long()
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=ids,
+        attention_mask=attn,
+        position_ids=position_ids_from_mask(attn),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=width_d + 1,
+    )
+    # Response position i of row b is predicted by kept column width_d - n_b + i (i = 0 .. n_b).
+    cols = (width_d - n)[:, None] + torch.arange(width_d + 1, device=device)[None, :]
+    cols = cols.clamp(max=width_d)
+    logits = out.logits.gather(1, cols[..., None].expand(-1, -1, out.logits.shape[-1]))
+    logp_new = filtered_logprobs(logits, temperature, top_k, top_p)  # [B, D+1, V]
+
+    # ---- 2. acceptance
+    drafted = torch.full((batch, width_d), pad_id, dtype=torch.long, device=device)
+    old_lp = torch.zeros((batch, width_d), dtype=torch.float32, device=device)
+    for b, (tokens, d) in enumerate(zip(draft_tokens, drafts)):
+        if tokens:
+            drafted[b, : len(tokens)] = torch.tensor(tokens, device=device)
+            old_lp[b, : len(tokens)] = d.logprobs[: len(tokens)].to(device)
+    new_lp_drafted = logp_new[:, :width_d].gather(-1, drafted[..., None]).squeeze(-1)
+    if width_d > 0:
+        gen_device = generator.device if generator is not None else device
+        uniforms = torch.rand((batch, width_d), generator=generator, device=gen_device).to(device)
+        _, accepted_len = acceptance(new_lp_drafted, old_lp, uniforms, n, lenience)
+    else:
+        accepted_len = torch.zeros(batch, dtype=torch.long, device=device)
+    rejected = accepted_len < n
+    finished = torch.tensor(
+        [len(t) > 0 and (t[-1] == eos_id or len(t) >= max_new_tokens) for t in draft_tokens],
+        dtype=torch.bool,
+        device=device,
+    )
+    fully_reused = ~rejected & finished
+    verify_time = time.perf_counter() - t_start
+
+    # ---- 3. resume the other rows at their first rejected (or first undrafted) position
+    active = (~fully_reused).nonzero().squeeze(-1)
+    cont_tokens: list[torch.Tensor] = []
+    cont_lps: list[torch.Tensor] = []
+    cont_alive: list[torch.Tensor] = []
+    cont_top: list[tuple[torch.Tensor, torch.Tensor]] = []
+    decode_steps = 0
+    if len(active):
+        a_acc = accepted_len[active]
+        # Columns after the last accepted token of every resumed row are useless: crop them.
+        drop = int((n[active] - a_acc).min())
+        if drop:
+            cache.crop(-drop)
+        if len(active) < batch:
+            cache.batch_select_indices(active)
+        width = ids.shape[1] - drop
+        attn = attn[active, :width].clone()
+        # Mask the rejected draft columns of each row (those after its accepted prefix).
+        last_kept = ids.shape[1] - 1 - (n[active] - a_acc)  # column of each row's last accepted/prompt token
+        attn[torch.arange(width, device=device)[None, :] > last_kept[:, None]] = 0
+        pos = torch.tensor([len(prompts[b]) for b in active.tolist()], device=device) + a_acc
+        logp = logp_new[active, a_acc]  # [A, V] the distribution at the resume position
+        if mode == "exact" and bool(rejected[active].any()):
+            logp = _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, keep_topk, device)
+        budget = max_new_tokens - a_acc
+        alive = torch.ones(len(active), dtype=torch.bool, device=device)
+        step_logp = logp_new[active, a_acc]
+        while True:
+            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
+            lp = step_logp.gather(-1, tok[:, None]).squeeze(-1)
+            cont_tokens.append(tok)
+            cont_lps.append(torch.where(alive, lp, torch.zeros_like(lp)))
+            cont_alive.append(alive.clone())
+            if keep_topk:
+                cont_top.append(_top(step_logp, keep_topk))
+            alive &= (tok != eos_id) & (len(cont_tokens) < budget)
+            if not alive.any():
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            out = model(
+                input_ids=tok[:, None],
+                attention_mask=attn,
+                position_ids=pos[:, None],
+                cache=cache,
+                use_cache=True,
+            )
+            decode_steps += 1
+            pos = pos + 1
+            step_logp = filtered_logprobs(out.logits[:, -1], temperature, top_k, top_p)
+            logp = step_logp
+
+    # ---- 4. assemble: accepted prefix + continuation, log-probs of the current policy everywhere
+    rows_tok: list[list[int]] = []
+    rows_lp: list[torch.Tensor] = []
+    row_of_active = {b: i for i, b in enumerate(active.tolist())}
+    if cont_tokens:
+        c_tok = torch.stack(cont_tokens, 1)
+        c_lp = torch.stack(cont_lps, 1)
+        c_alive = torch.stack(cont_alive, 1)
+    acc_list = accepted_len.tolist()
+    for b in range(batch):
+        a = acc_list[b]
+        tokens = draft_tokens[b][:a]
+        lps = new_lp_drafted[b, :a]
+        if b in row_of_active:
+            i = row_of_active[b]
+            keep = c_alive[i]
+            tokens = tokens + c_tok[i][keep].tolist()
+            lps = torch.cat([lps, c_lp[i][keep]])
+        rows_tok.append(tokens)
+        rows_lp.append(lps)
+    width_r = max(len(t) for t in rows_tok)
+    response_ids = torch.full((batch, width_r), pad_id, dtype=torch.long, device=device)
+    response_mask = torch.zeros((batch, width_r), dtype=torch.bool, device=device)
+    logprobs = torch.zeros((batch, width_r), dtype=torch.float32, device=device)
+    for b, (tokens, lps) in enumerate(zip(rows_tok, rows_lp)):
+        response_ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=device)
+        response_mask[b, : len(tokens)] = True
+        logprobs[b, : len(tokens)] = lps
+    rollout = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, logprobs)
+
+    # ---- 5. the returned responses are next epoch's drafts
+    new_drafts = []
+    if keep_topk:
+        acc_ids, acc_top = _top(logp_new[:, :width_d], keep_topk)
+        if cont_top:
+            c_ids = torch.stack([t[0] for t in cont_top], 1)
+            c_top = torch.stack([t[1] for t in cont_top], 1)
+    for b in range(batch):
+        a, length = acc_list[b], len(rows_tok[b])
+        top_ids = top_lp = None
+        if keep_topk:
+            top_ids, top_lp = acc_ids[b, :a], acc_top[b, :a]
+            if b in row_of_active:
+                i = row_of_active[b]
+                top_ids = torch.cat([top_ids, c_ids[i, : length - a]])
+                top_lp = torch.cat([top_lp, c_top[i, : length - a]])
+            top_ids, top_lp = top_ids.cpu(), top_lp.cpu()
+        new_drafts.append(
+            Draft(
+                tokens=response_ids[b, :length].cpu(),
+                logprobs=logprobs[b, :length].cpu(),
+                top_ids=top_ids,
+                top_logprobs=top_lp,
+                prompt_hash=prompt_fingerprint(prompts[b]),
+            )
+        )
+    tokens_returned = int(response_mask.sum())
+    stats = ReuseStats(
+        has_draft=(n > 0).cpu(),
+        draft_len=n.cpu(),
+        accepted=accepted_len.cpu(),
+        fully_reused=fully_reused.cpu(),
+        tokens_generated=tokens_returned - int(accepted_len.sum()),
+        tokens_returned=tokens_returned,
+        verify_time_s=verify_time,
+        decode_steps=decode_steps,
+        max_new_tokens=max_new_tokens,
+    )
+    return rollout, stats, new_drafts
+
+
+def _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, keep_topk, device):
+    """Replace the resume distribution of rejected rows by the speculative-sampling residual."""
+    logp = logp.clone()
+    for i, b in enumerate(active.tolist()):
+        if not bool(rejected[b]):
+            continue
+        d, a = drafts[b], int(a_acc[i])
+        ids = d.tokens[a : a + 1].long()
+        lps = d.logprobs[a : a + 1].float()
+        if d.top_ids is not None and d.top_ids.shape[-1]:
+            ids = torch.cat([d.top_ids[a].long(), ids])
+            lps = torch.cat([d.top_logprobs[a].float(), lps])
+        logp[i] = residual_logprobs(logp[i : i + 1], ids[None].to(device), lps[None].to(device), lenience)[0]
+    return logp
+
+
+# --------------------------------------------------------------------------- the loop's entry point
+
+
+class SpeculativeReuse:
+    """The rollout cache plus the settings to verify and extend its drafts. cfg: an object with lenience,
+    mode, cache_tokens and exact_topk (bitrl.engine.config.ReuseConfig)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.cache = RolloutCache(cfg.cache_tokens)
+
+    def generate(self, model, prompts: list[list[int]], keys: list, **sampling) -> tuple[Rollout, dict]:
+        """Rollout for `prompts` (row i's draft cached under keys[i]); updates the cache. Returns (rollout,
+        metrics). sampling: max_new_tokens, eos_id, pad_id, temperature, top_k, top_p, generator."""
+        t0 = time.perf_counter()
+        hashes = [prompt_fingerprint(p) for p in prompts]
+        drafts = [self.cache.get(k, h) for k, h in zip(keys, hashes)]
+        keep_topk = self.cfg.exact_topk if self.cfg.mode == "exact" else 0
+        rollout, stats, new = generate_with_drafts(
+            model,
+            prompts,
+            drafts,
+            lenience=self.cfg.lenience,
+            mode=self.cfg.mode,
+            keep_topk=keep_topk,
+            **sampling,
+        )
+        for key, draft in zip(keys, new):
+            self.cache.put(key, draft)
+        stats.extra = {
+            "reuse_cache_tokens": self.cache.tokens,
+            "reuse_cache_evictions": self.cache.evictions,
+            "reuse_rollout_time_s": time.perf_counter() - t0,
+        }
+        return rollout, stats.metrics()
+
+    def state_dict(self) -> dict:
+        return {"cache": self.cache.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cache.load_state_dict(state["cache"])
+
+
+def fixed_prompt_batch(pool: list, step: int, per_step: int, seed: int) -> list:
+    """The `per_step` problems of `step` when training epoch by epoch over a fixed `pool`: each epoch visits
+    the pool in its own seeded order, and steps take consecutive slices (crossing epoch boundaries).
+    Stateless, so a resumed run draws the same batches."""
+    size = len(pool)
+    out = []
+    for index in range(step * per_step, (step + 1) * per_step):
+        epoch, offset = divmod(index, size)
+        order = list(range(size))
+        random.Random(f"epoch-{seed}-{epoch}").shuffle(order)
+        out.append(pool[order[offset]])
+    return out
+
+
+def draw_prompt_pool(task, size: int, seed: int) -> list:
+    """`size` distinct training problems (fewer if the task has fewer), drawn once with a seeded RNG."""
+    rng = random.Random(f"prompt-pool-{seed}")
+    pool, seen = [], set()
+    for _ in range(100 * size):
+        if len(pool) == size:
+            break
+        problem = task.sample(rng)
+        if problem.uid not in seen:
+            seen.add(problem.uid)
+            pool.append(problem)
+    return pool
