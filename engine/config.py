@@ -72,6 +72,19 @@ class WarmStartConfig(Section):
     cache: bool = True  # reuse a finished warm start with the same model/task/warm-start settings
 
 
+class ReuseConfig(Section):
+    """Speculative rollout reuse (bitrl.rollout.reuse): last epoch's responses are drafts to verify."""
+
+    enabled: bool = False
+    # A draft token is accepted if u <= min(1, lenience * pi_new / pi_old); 1 is plain speculative acceptance.
+    lenience: float = Field(1.0, gt=0, allow_inf_nan=False)
+    # "spec-rl": resume at the first rejection by sampling pi_new; "exact": resample it from the residual
+    # norm(max(0, pi_new - pi_old)) (needs the old distribution: its top `exact_topk` tokens are cached).
+    mode: Literal["spec-rl", "exact"] = "spec-rl"
+    cache_tokens: int = Field(4_000_000, ge=1)  # cap on cached response tokens, least recently used out
+    exact_topk: int = Field(64, ge=0)  # old-distribution entries kept per token in "exact" mode
+
+
 class RolloutConfig(Section):
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
@@ -79,6 +92,10 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    # Draw each step's prompts from a fixed pool of this many training problems, epoch by epoch (None: fresh
+    # problems every step). Speculative reuse needs prompts to come back.
+    fixed_prompts: int | None = Field(None, ge=1)
+    reuse: ReuseConfig = ReuseConfig()
 
 
 class TrainConfig(Section):

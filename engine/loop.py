@@ -19,6 +19,7 @@ from bitrl.engine.report import plot_metrics
 from bitrl.engine.tasks import REWARDS, ArithmeticTask, CharTokenizer, JsonlTask
 from bitrl.engine.warmstart import warm_start
 from bitrl.rollout.engine import generate
+from bitrl.rollout.reuse import SpeculativeReuse, draw_prompt_pool, fixed_prompt_batch
 from bitrl.train.advantages import compute_advantages
 from bitrl.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from bitrl.train.trainer import PolicyTrainer
@@ -58,6 +59,9 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
     sampler = torch.Generator().manual_seed(cfg.seed)  # drives every rollout sample
     data_rng = random.Random(f"data-{cfg.seed}")  # drives which training prompts are drawn
     reward_fn = REWARDS[cfg.task.reward]
+    # Speculative rollout reuse: last epoch's responses for the same prompts are drafts the policy verifies.
+    reuse = SpeculativeReuse(cfg.rollout.reuse) if cfg.rollout.reuse.enabled else None
+    pool = draw_prompt_pool(task, cfg.rollout.fixed_prompts, cfg.seed) if cfg.rollout.fixed_prompts else None
 
     if resume:
         state = load_checkpoint(run_dir)
@@ -66,6 +70,8 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
         sampler.set_state(state["sampler"])
         data_rng.setstate(state["data_rng"])
         set_rng_state(state["rng"])
+        if reuse is not None and "reuse" in state:
+            reuse.load_state_dict(state["reuse"])
         start_step, records = state["step"], state["records"]
         log(f"resumed {run_dir} at step {start_step}")
     else:
@@ -84,9 +90,15 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
     for step in progress:
         t0 = time.perf_counter()
         # 1. rollout: G samples for each of the step's prompts
-        problems = [task.sample(data_rng) for _ in range(cfg.rollout.prompts_per_step)]
+        if pool is None:
+            problems = [task.sample(data_rng) for _ in range(cfg.rollout.prompts_per_step)]
+        else:
+            problems = fixed_prompt_batch(pool, step, cfg.rollout.prompts_per_step, cfg.seed)
         grouped = [p for p in problems for _ in range(cfg.rollout.group_size)]
-        rollout = generate(
+        rollout_fn = generate
+        if reuse is not None:  # row i's draft is cached under (prompt uid, i-th sample of its group)
+            rollout_fn = reuse.bind([(p.uid, i % cfg.rollout.group_size) for i, p in enumerate(grouped)])
+        rollout = rollout_fn(
             rollout_model,
             encode_prompts(tokenizer, grouped, cfg.task.prompt_template),
             max_new_tokens=cfg.rollout.max_new_tokens,
@@ -116,6 +128,7 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
             "tokens_per_s": rollout.num_tokens / step_time,
             "rollout_time_s": t_rollout,
             "step_time_s": step_time,
+            **(reuse.last_metrics if reuse is not None else {}),
         }
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             record["accuracy"] = accuracy(policy, tokenizer, task.eval_problems, cfg)
@@ -136,6 +149,7 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
                     "rng": rng_state(),
                     "records": records,
                     "config": cfg.model_dump(),
+                    **({"reuse": reuse.state_dict()} if reuse is not None else {}),
                 },
             )
     progress.close()

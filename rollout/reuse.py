@@ -484,6 +484,17 @@ class SpeculativeReuse:
     def __init__(self, cfg):
         self.cfg = cfg
         self.cache = RolloutCache(cfg.cache_tokens)
+        self.last_metrics: dict = {}
+
+    def bind(self, keys: list):
+        """A function with `generate`'s signature that rolls out through the cache under `keys` (one per
+        prompt) and leaves its metrics in `last_metrics`."""
+
+        def rollout_fn(model, prompts, **sampling) -> Rollout:
+            rollout, self.last_metrics = self.generate(model, prompts, keys, **sampling)
+            return rollout
+
+        return rollout_fn
 
     def generate(self, model, prompts: list[list[int]], keys: list, **sampling) -> tuple[Rollout, dict]:
         """Rollout for `prompts` (row i's draft cached under keys[i]); updates the cache. Returns (rollout,
