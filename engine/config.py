@@ -86,6 +86,11 @@ class ReuseConfig(Section):
 
 
 class RolloutConfig(Section):
+    # Weights of the rollout copy: "full" (the policy's dtype), fp32/bf16/fp16, or fp8/mxfp8/mxfp4/nvfp4.
+    precision: Literal["full", "fp32", "bf16", "fp16", "fp8", "mxfp8", "mxfp4", "nvfp4"] = "full"
+    act_quant: str | None = (
+        None  # activation quantization of quantized rollouts (see bitrl.quant.QuantLinear)
+    )
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(6, ge=1)

@@ -3,7 +3,6 @@ checkpoints. Read `run` top to bottom for one whole training run."""
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 import time
@@ -19,6 +18,7 @@ from bitrl.engine.report import plot_metrics
 from bitrl.engine.tasks import REWARDS, ArithmeticTask, CharTokenizer, JsonlTask
 from bitrl.engine.warmstart import warm_start
 from bitrl.rollout.engine import generate
+from bitrl.rollout.precision import make_rollout_model, sync_rollout_model_
 from bitrl.rollout.reuse import SpeculativeReuse, draw_prompt_pool, fixed_prompt_batch
 from bitrl.train.advantages import compute_advantages
 from bitrl.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -85,7 +85,8 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
     # Rewrite the metrics file from the records the checkpoint promised, dropping steps lost in a crash.
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
-    rollout_model = copy.deepcopy(policy).eval()  # the rollout copy, synced after every update
+    # The rollout copy in its own precision (bf16, fp8, mxfp4, ...), synced after every update.
+    rollout_model = make_rollout_model(policy, cfg.rollout.precision, cfg.rollout.act_quant)
     progress = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.name)
     for step in progress:
         t0 = time.perf_counter()
@@ -117,7 +118,7 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
         ).flatten()
         # 3. train, then 4. sync the rollout copy
         metrics = trainer.step(rollout, advantages)
-        rollout_model.load_state_dict(policy.state_dict())
+        sync_rollout_model_(rollout_model, policy, cfg.rollout.precision)
         step_time = time.perf_counter() - t0
 
         record = {
