@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from bitrl.train.advantages import ADVANTAGES, compute_advantages
-from bitrl.train.trainer import mismatch_metrics
 
 
 def test_grpo_advantage_matches_hand_computation():
@@ -71,13 +70,3 @@ def test_trainer_step_moves_probability_toward_positive_advantages(tiny_qwen):
     for key in ("loss", "entropy", "grad_norm", "clipfrac", "mismatch_k3_kl"):
         assert key in metrics and math.isfinite(metrics[key])
     assert metrics["mismatch_k3_kl"] < 1e-8  # rollout and trainer share weights and precision
-
-
-def test_mismatch_metrics_hand_computation():
-    train = torch.tensor([[math.log(0.5), math.log(0.2)]])
-    roll = torch.tensor([[math.log(0.4), math.log(0.2)]])
-    m = mismatch_metrics(train, roll, torch.tensor([[True, True]]))
-    rho = 0.5 / 0.4
-    assert math.isclose(m["mismatch_k3_kl"], (rho - 1 - math.log(rho)) / 2, rel_tol=1e-5)
-    assert math.isclose(m["mismatch_k1_kl"], -math.log(rho) / 2, rel_tol=1e-5)
-    assert mismatch_metrics(train, roll, torch.zeros(1, 2, dtype=torch.bool))["mismatch_k3_kl"] == 0.0

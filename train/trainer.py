@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from bitrl.kernels import policy_loss
 from bitrl.rollout.engine import Rollout
 from bitrl.train.logprobs import token_logprobs
+from bitrl.train.mismatch import mismatch_diagnostics
 
 # Loss metrics worth a column in metrics.jsonl; rollout/trainer mismatch is logged once per batch below.
 LOGGED_LOSS_METRICS = (
@@ -87,21 +86,5 @@ class PolicyTrainer:
                     sums[k] = sums.get(k, 0.0) + v
                 n_updates += 1
         out = {k: v / n_updates for k, v in sums.items()}
-        out.update(mismatch_metrics(old, rollout.logprobs, mask))
+        out.update(mismatch_diagnostics(old, rollout.logprobs, mask))
         return out
-
-
-def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor):
-    """Rollout-vs-trainer divergence on the same tokens, both under the same weights.
-
-    k1 = mean(lp_rollout - lp_train); k3 = mean(rho - 1 - log rho) with rho = pi_train / pi_rollout.
-    """
-    m = mask.bool()
-    if not m.any():
-        return {"mismatch_k1_kl": 0.0, "mismatch_k3_kl": 0.0}
-    log_rho = (train_logprobs.float() - rollout_logprobs.float())[m]
-    k3 = torch.expm1(log_rho) - log_rho
-    out = {"mismatch_k1_kl": float((-log_rho).mean()), "mismatch_k3_kl": float(k3.mean())}
-    if not all(math.isfinite(v) for v in out.values()):
-        raise FloatingPointError(f"non-finite mismatch metrics {out}")
-    return out
