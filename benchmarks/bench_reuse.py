@@ -1,0 +1,181 @@
+"""Speculative rollout reuse on the demo task: rollout time and held-out accuracy with reuse versus without.
+
+Every arm trains the demo (warm-started, cached under $BITRL_CACHE) for the same number of epochs over the
+same fixed prompt set, with the same seeds; arms differ only in `rollout.reuse`. Arms run one after another
+in one process, seed by seed, so their timings share the machine's conditions.
+
+    python benchmarks/bench_reuse.py --epochs 6 --seeds 0 1 --out runs/bench_reuse
+
+writes results.json and table.md into --out. As a pytest module it holds one quick check that the script
+runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ARMS = {
+    "no reuse": None,
+    "spec-rl l=1": ("spec-rl", 1.0),
+    "spec-rl l=e^0.5": ("spec-rl", math.exp(0.5)),
+    "spec-rl l=2": ("spec-rl", 2.0),
+    "spec-rl l=4": ("spec-rl", 4.0),
+    "exact l=1": ("exact", 1.0),
+}
+
+
+def arm_overrides(arm) -> list[str]:
+    if arm is None:
+        return ["rollout.reuse.enabled=false"]
+    mode, lenience = arm
+    return ["rollout.reuse.enabled=true", f"rollout.reuse.mode={mode}", f"rollout.reuse.lenience={lenience}"]
+
+
+def run_arm(name, arm, seed, args, out: Path) -> dict:
+    from bitrl.engine.config import load_config
+    from bitrl.engine.loop import run
+
+    steps_per_epoch = args.prompts // args.prompts_per_step
+    overrides = [
+        f"seed={seed}",
+        f"steps={steps_per_epoch * args.epochs}",
+        f"eval_every={steps_per_epoch}",
+        f"checkpoint_every={steps_per_epoch * args.epochs}",
+        f"threads={args.threads}",
+        f"rollout.fixed_prompts={args.prompts}",
+        f"rollout.prompts_per_step={args.prompts_per_step}",
+        f"out_dir={json.dumps(str(out / 'runs'))}",
+        f"name=s{seed}-{name.replace(' ', '_').replace('^', '')}",
+        *arm_overrides(arm),
+        *args.set,
+    ]
+    cfg = load_config(None, overrides)
+    t0 = time.perf_counter()
+    records = run(cfg, log=lambda *a: None)
+    wall = time.perf_counter() - t0
+    steps = [r for r in records if r["step"] > 0]
+    first = [r["rollout_time_s"] for r in steps[:steps_per_epoch]]
+    later = [r["rollout_time_s"] for r in steps[steps_per_epoch:]]
+    evals = [r["accuracy"] for r in records if "accuracy" in r]
+    out_row = {
+        "arm": name,
+        "seed": seed,
+        "rollout_s_epoch1": sum(first),
+        "rollout_s_later_per_epoch": sum(later) / max(1, args.epochs - 1),
+        "rollout_s_later_median_step": statistics.median(later) if later else float("nan"),
+        "accuracy_start": evals[0],
+        "accuracy_end": evals[-1],
+        "accuracy_per_epoch": evals,
+        "reward_later": statistics.fmean(r["reward_mean"] for r in steps[steps_per_epoch:]),
+        "wall_s": wall,
+    }
+    if arm is not None:
+        later_recs = steps[steps_per_epoch:]
+        out_row |= {
+            "accept_len_mean": statistics.fmean(r["reuse_accept_len_mean"] for r in later_recs),
+            "full_reuse_frac": statistics.fmean(r["reuse_full_frac"] for r in later_recs),
+            "generated_over_returned": sum(r["reuse_tokens_generated"] for r in later_recs)
+            / max(1, sum(r["reuse_tokens_returned"] for r in later_recs)),
+            "verify_s_later_per_epoch": sum(r["reuse_verify_time_s"] for r in later_recs)
+            / max(1, args.epochs - 1),
+        }
+    return out_row
+
+
+def table(rows: list[dict]) -> str:
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    base = {r["seed"]: r for r in rows if r["arm"] == "no reuse"}
+    lines = [
+        "| arm | rollout s / epoch, epoch 1 | rollout s / epoch, epochs 2+ | speedup epochs 2+ "
+        "| held-out acc (start -> end) | generated / returned tokens | fully reused drafts "
+        "| mean accepted len |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm in arms:
+        rs = [r for r in rows if r["arm"] == arm]
+        speed = [base[r["seed"]]["rollout_s_later_per_epoch"] / r["rollout_s_later_per_epoch"] for r in rs]
+
+        def fmt(values, digits=2):
+            values = list(values)
+            mean = statistics.fmean(values)
+            spread = f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
+            return f"{mean:.{digits}f}{spread}"
+
+        acc = f"{fmt((r['accuracy_start'] for r in rs), 3)} -> {fmt((r['accuracy_end'] for r in rs), 3)}"
+        extra = ["-", "-", "-"]
+        if "accept_len_mean" in rs[0]:
+            extra = [
+                fmt(r["generated_over_returned"] for r in rs),
+                fmt(r["full_reuse_frac"] for r in rs),
+                fmt(r["accept_len_mean"] for r in rs),
+            ]
+        lines.append(
+            f"| {arm} | {fmt(r['rollout_s_epoch1'] for r in rs)} | "
+            f"{fmt(r['rollout_s_later_per_epoch'] for r in rs)} | {fmt(speed)}x | {acc} | "
+            + " | ".join(extra)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=128, help="size of the fixed prompt set")
+    parser.add_argument("--prompts-per-step", type=int, default=32)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--set", nargs="*", default=[], help="extra config overrides, section.key=value")
+    parser.add_argument("--out", default="runs/bench_reuse")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for seed in args.seeds:
+        for name in args.arms:
+            row = run_arm(name, ARMS[name], seed, args, out)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    text = table(rows)
+    header = (
+        f"demo task, fixed set of {args.prompts} prompts, {args.prompts_per_step} prompts x group 8 "
+        "per step, "
+        f"{args.epochs} epochs ({args.prompts // args.prompts_per_step * args.epochs} steps), "
+        f"seeds {args.seeds}, threads={args.threads}\n\n"
+    )
+    (out / "table.md").write_text(header + text + "\n")
+    print(header + text)
+    return 0
+
+
+def test_bench_reuse_script_runs(tmp_path, monkeypatch):
+    """Two tiny arms for two epochs: the script runs end to end and writes its table."""
+    tiny = [
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_layers=1",
+        "model.num_heads=2",
+        "model.num_kv_heads=1",
+        "task.n_eval=16",
+        "warmstart.steps=10",
+        "warmstart.target_accuracy=null",
+        "rollout.group_size=2",
+    ]
+    args = ["--epochs", "2", "--prompts", "8", "--prompts-per-step", "4", "--seeds", "0"]
+    args += ["--arms", "no reuse", "spec-rl l=1", "--out", str(tmp_path), "--set", *tiny]
+    assert main(args) == 0
+    assert "spec-rl l=1" in (tmp_path / "table.md").read_text()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""Speculative rollout reuse: acceptance rule, resume from rejection, exactness (total variation), cache."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from bitrl.rollout.engine import generate
+from bitrl.rollout.reuse import (
+    Draft,
+    RolloutCache,
+    SpeculativeReuse,
+    acceptance,
+    fixed_prompt_batch,
+    generate_with_drafts,
+    residual_logprobs,
+)
+from bitrl.rollout.reuse_tv import (
+    empirical_distribution,
+    engine_reuse_sample,
+    fresh_distribution,
+    next_token_table,
+    reuse_distribution,
+    sequences,
+    total_variation,
+)
+
+L = math.log
+
+# --------------------------------------------------------------------------- acceptance rule
+
+
+def test_acceptance_hand_computed():
+    # ratios p_new / p_old: 2 (capped at 1), 0.5, 1, 0.25
+    new = torch.tensor([[L(0.5), L(0.2), L(0.9), L(0.1)]])
+    old = torch.tensor([[L(0.25), L(0.4), L(0.9), L(0.4)]])
+    u = torch.tensor([[0.99, 0.6, 0.1, 0.2]])
+    n = torch.tensor([4])
+    acc, length = acceptance(new, old, u, n, lenience=1.0)
+    assert acc.tolist() == [[True, False, True, True]] and length.tolist() == [1]
+    # lenience 1.5: 0.6 <= 0.75 accepted, 0.2 <= 0.375 accepted
+    acc, length = acceptance(new, old, u, n, lenience=1.5)
+    assert acc.tolist() == [[True, True, True, True]] and length.tolist() == [4]
+    # lenience 0.5: 0.99 > min(1, 1.0)? no: 0.99 <= 1 accepted; 0.6 > 0.25 rejected
+    acc, length = acceptance(new, old, u, n, lenience=0.5)
+    assert acc[0, :2].tolist() == [True, False] and length.tolist() == [1]
+    # the draft length masks later positions
+    _, length = acceptance(new, old, torch.zeros(1, 4) + 0.01, torch.tensor([2]), lenience=1.0)
+    assert length.tolist() == [2]
+
+
+def test_acceptance_edges():
+    new = torch.tensor([[float("-inf"), 0.0], [L(0.3), L(0.3)]])
+    old = torch.tensor([[L(0.5), L(0.5)], [L(0.6), L(0.6)]])
+    u = torch.tensor([[0.0, 0.0], [0.5 - 1e-6, 0.5 + 1e-6]])
+    acc, length = acceptance(new, old, u, torch.tensor([2, 2]))
+    assert not acc[0, 0] and length[0] == 0  # outside the new support: never, even with u = 0
+    assert acc[1].tolist() == [True, False] and length[1] == 1  # u just below / above the ratio 0.5
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="lenience"):
+            acceptance(new, old, u, torch.tensor([2, 2]), lenience=bad)
+
+
+def test_residual_hand_computed_and_exact_for_lenience_up_to_one():
+    p = torch.tensor([[0.5, 0.3, 0.2]])
+    q = torch.tensor([[0.2, 0.5, 0.3]])
+    ids = torch.arange(3)[None]
+    r = residual_logprobs(p.log(), ids, q.log(), 1.0).exp()
+    torch.testing.assert_close(r, torch.tensor([[1.0, 0.0, 0.0]]))
+    # lenience 0.5: p - min(q, p/2) = [0.3, 0.15, 0.1] / 0.55
+    r = residual_logprobs(p.log(), ids, q.log(), 0.5).exp()
+    torch.testing.assert_close(r, torch.tensor([[0.3, 0.15, 0.1]]) / 0.55)
+    # Speculative sampling identity: accepted mass + rejected mass * residual == p, for any lenience <= 1.
+    g = torch.Generator().manual_seed(0)
+    for lenience in (0.3, 0.8, 1.0):
+        p = torch.softmax(torch.randn(4, 7, generator=g), -1)
+        q = torch.softmax(torch.randn(4, 7, generator=g), -1)
+        accept = torch.minimum(q, lenience * p)
+        r = residual_logprobs(p.log(), torch.arange(7).expand(4, -1), q.log(), lenience).exp()
+        torch.testing.assert_close(accept + (1 - accept.sum(-1, keepdim=True)) * r, p)
+    # no residual mass (p == q): falls back to p
+    r = residual_logprobs(p.log(), torch.arange(7).expand(4, -1), p.log(), 1.0).exp()
+    torch.testing.assert_close(r, p)
+
+
+# --------------------------------------------------------------------------- resume from rejection
+
+
+PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 10, 11, 12, 13], [1, 3], [1, 4, 4]]
+M = 10
+
+
+def _forced_drafts(rollout, accept_at):
+    """Drafts = the rollout's responses, with old log-probs crafted so that exactly accept_at[b] tokens are
+    accepted (-1e4: always accepted; +1e4: always rejected). accept_at None: no draft."""
+    drafts = []
+    for b, a in enumerate(accept_at):
+        if a is None:
+            drafts.append(None)
+            continue
+        n = int(rollout.response_mask[b].sum())
+        lp = torch.full((n,), -1e4)
+        if a < n:
+            lp[a] = 1e4
+        drafts.append(Draft(rollout.response_ids[b, :n].clone(), lp))
+    return drafts
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (6, 0.9)])
+def test_resume_from_rejection_equals_fresh_generation(tiny_qwen, top_k, top_p):
+    sampling = dict(max_new_tokens=M, eos_id=2, pad_id=0, top_k=top_k, top_p=top_p)
+    r0 = generate(tiny_qwen, PROMPTS, generator=torch.Generator().manual_seed(3), **sampling)
+    lengths = r0.response_mask.sum(1).tolist()
+    # row 0: reject at 1; row 1: no draft; row 2: reject at 0; row 3: fully accepted; row 4: reject at 2
+    accept_at = [1, None, 0, lengths[3], 2]
+    accept_at = [a if a is None else min(a, n) for a, n in zip(accept_at, lengths)]
+    drafts = _forced_drafts(r0, accept_at)
+    for b in (0, 2, 4):
+        assert accept_at[b] < lengths[b], "the seed must give drafts long enough to be rejected"
+
+    calls = []
+    forward = tiny_qwen.forward
+
+    def spy(*args, **kw):
+        calls.append(kw["input_ids"].shape)
+        return forward(*args, **kw)
+
+    tiny_qwen.forward = spy
+    out, stats, new_drafts = generate_with_drafts(
+        tiny_qwen, PROMPTS, drafts, generator=torch.Generator().manual_seed(11), **sampling
+    )
+    del tiny_qwen.forward
+    assert sum(shape[1] > 1 for shape in calls) == 1, "one verification forward, then only decoding steps"
+
+    expected_acc = [0 if a is None else a for a in accept_at]
+    assert stats.accepted.tolist() == expected_acc
+    finished = r0.response_ids[3, lengths[3] - 1] == 2 or lengths[3] == M
+    assert bool(stats.fully_reused[3]) == bool(finished)
+
+    # The same random stream: the uniforms of the verification, then `generate` over the resumed rows.
+    g = torch.Generator().manual_seed(11)
+    torch.rand((len(PROMPTS), int(stats.draft_len.max())), generator=g)
+    active = [b for b in range(len(PROMPTS)) if not stats.fully_reused[b]]
+    extended = [PROMPTS[b] + r0.response_ids[b, : expected_acc[b]].tolist() for b in active]
+    fresh = generate(tiny_qwen, extended, generator=g, **sampling)
+    for i, b in enumerate(active):
+        a = expected_acc[b]
+        cont = fresh.response_ids[i][fresh.response_mask[i]].tolist()[: M - a]
+        got = out.response_ids[b][out.response_mask[b]].tolist()
+        assert got == r0.response_ids[b, :a].tolist() + cont
+    for b in range(len(PROMPTS)):
+        if stats.fully_reused[b]:
+            assert out.response_ids[b][out.response_mask[b]].tolist() == drafts[b].tokens.tolist()
+
+    # Returned log-probs are the current policy's, for accepted and generated tokens alike.
+    ids, mask, pos = out.full_sequence()
+    with torch.no_grad():
+        logits = tiny_qwen(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits
+    from bitrl.rollout.sampling import filtered_logprobs
+
+    p = out.prompt_ids.shape[1]
+    ref = filtered_logprobs(logits[:, p - 1 : p - 1 + out.response_ids.shape[1]], 1.0, top_k, top_p)
+    ref = ref.gather(-1, out.response_ids[..., None]).squeeze(-1)
+    m = out.response_mask
+    torch.testing.assert_close(out.logprobs[m], ref[m], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logprobs[~m], torch.zeros_like(out.logprobs[~m]))
+    # The new drafts are the returned responses with those log-probs.
+    for b, d in enumerate(new_drafts):
+        n = int(m[b].sum())
+        assert d.tokens.tolist() == out.response_ids[b, :n].tolist()
+        torch.testing.assert_close(d.logprobs, out.logprobs[b, :n])
+
+
+def test_without_drafts_it_is_generate(tiny_qwen):
+    sampling = dict(max_new_tokens=8, eos_id=2, pad_id=0, temperature=0.8)
+    ref = generate(tiny_qwen, PROMPTS, generator=torch.Generator().manual_seed(5), **sampling)
+    out, stats, _ = generate_with_drafts(
+        tiny_qwen, PROMPTS, [None] * len(PROMPTS), generator=torch.Generator().manual_seed(5), **sampling
+    )
+    assert torch.equal(out.response_ids, ref.response_ids)
+    assert torch.equal(out.response_mask, ref.response_mask)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=2e-5, rtol=1e-5)
+    assert stats.metrics()["reuse_hit_rate"] == 0.0
+
+
+def test_same_policy_accepts_every_draft_and_is_deterministic(tiny_qwen):
+    sampling = dict(max_new_tokens=6, eos_id=2, pad_id=0)
+    reuse = SpeculativeReuse(_ReuseCfg(lenience=1.0, mode="spec-rl", cache_tokens=10_000, exact_topk=0))
+    keys = list(range(len(PROMPTS)))
+    first, m1 = reuse.generate(
+        tiny_qwen, PROMPTS, keys, generator=torch.Generator().manual_seed(1), **sampling
+    )
+    assert m1["reuse_hit_rate"] == 0
+    runs = []
+    for _ in range(2):
+        again = copy.deepcopy(reuse)
+        runs.append(
+            again.generate(tiny_qwen, PROMPTS, keys, generator=torch.Generator().manual_seed(2), **sampling)
+        )
+    (second, m2), (third, m3) = runs
+    # pi_new == pi_old: every draft token is accepted (u < 1 = ratio), so the first responses come back.
+    assert m2["reuse_full_frac"] == 1.0 and m2["reuse_tokens_generated"] == 0
+    assert torch.equal(second.response_ids, first.response_ids)
+    assert (
+        torch.equal(second.response_ids, third.response_ids)
+        and m2["reuse_accept_hist"] == m3["reuse_accept_hist"]
+    )
+    assert sum(m2["reuse_accept_hist"]) == len(PROMPTS)
+
+
+class _ReuseCfg:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+# --------------------------------------------------------------------------- exactness (total variation)
+
+
+V, LEN, EOS = 5, 3, 2
+
+
+def _enumerable_model(seed=0, scale=0.5):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=EOS,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, scale)
+    return model
+
+
+def _perturbed(model, sigma, seed=1):
+    new = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * sigma)
+    return new
+
+
+@pytest.fixture(scope="module")
+def tv_setup():
+    old = _enumerable_model()
+    new = _perturbed(old, 0.2)
+    prompt = [1, 3]
+    t_old = next_token_table(old, prompt, vocab_size=V, max_new_tokens=LEN, eos_id=EOS)
+    t_new = next_token_table(new, prompt, vocab_size=V, max_new_tokens=LEN, eos_id=EOS)
+    seqs = sequences(t_new, V, LEN, EOS)
+    return old, new, prompt, t_old, t_new, seqs
+
+
+def test_tv_formula(tv_setup):
+    _, _, _, t_old, t_new, seqs = tv_setup
+    assert len(seqs) == 1 + 4 + 16 + 64
+    p_new, p_old = fresh_distribution(t_new, seqs), fresh_distribution(t_old, seqs)
+    assert math.isclose(sum(p_new.values()), 1.0, abs_tol=1e-5)
+    assert total_variation(p_new, p_new) == 0 and total_variation(p_new, p_old) > 0.1
+    for mode, k, lenience in [("exact", V, 1.0), ("exact", V, 0.5), ("spec-rl", 0, 1.0), ("spec-rl", 0, 2.0)]:
+        dist, summary = reuse_distribution(t_new, t_old, seqs, lenience=lenience, mode=mode, old_topk=k)
+        assert math.isclose(sum(dist.values()), 1.0, abs_tol=1e-5)
+        tv = total_variation(dist, p_new)
+        if mode == "exact":
+            assert tv < 1e-5  # plain speculative sampling with the full old distribution is exact
+        else:
+            assert 0.05 < tv < total_variation(p_new, p_old) + 1e-6
+        assert 0 < summary["fully_reused"] < 1
+    # Reusing against the same policy is exact in both modes, and every draft is fully reused.
+    for mode in ("spec-rl", "exact"):
+        dist, summary = reuse_distribution(t_old, t_old, seqs, lenience=1.0, mode=mode, old_topk=V)
+        assert total_variation(dist, p_old) < 1e-5 and math.isclose(
+            summary["fully_reused"], 1.0, rel_tol=1e-5
+        )
+
+
+@pytest.mark.parametrize("mode,old_topk", [("spec-rl", 0), ("exact", V), ("exact", 1)])
+def test_engine_matches_the_tv_formula(tv_setup, mode, old_topk):
+    """The engine's empirical response distribution is within sampling noise of the formula's."""
+    old, new, prompt, t_old, t_new, seqs = tv_setup
+    n = 12000
+    rollout, _ = engine_reuse_sample(
+        old,
+        new,
+        prompt,
+        n,
+        max_new_tokens=LEN,
+        eos_id=EOS,
+        pad_id=0,
+        lenience=1.0,
+        mode=mode,
+        old_topk=old_topk,
+    )
+    dist, _ = reuse_distribution(t_new, t_old, seqs, lenience=1.0, mode=mode, old_topk=old_topk)
+    empirical = empirical_distribution(rollout)
+    # E[TV] of n samples is about sum_y sqrt(p_y / (2 pi n)); allow a wide margin.
+    noise = sum(math.sqrt(p / (2 * math.pi * n)) for p in dist.values())
+    assert total_variation(empirical, dist) < 1.6 * noise + 0.005
+    if mode == "spec-rl":
+        assert total_variation(empirical, fresh_distribution(t_new, seqs)) > 2 * noise
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def _draft(n, h=0):
+    return Draft(torch.arange(n), torch.zeros(n), prompt_hash=h)
+
+
+def test_cache_lru_eviction_by_tokens():
+    cache = RolloutCache(max_tokens=10)
+    cache.put("a", _draft(4))
+    cache.put("b", _draft(4))
+    assert cache.tokens == 8 and cache.keys() == ["a", "b"]
+    assert cache.get("a") is not None  # a becomes most recently used
+    cache.put("c", _draft(3))  # 11 > 10: the least recently used (b) goes
+    assert cache.keys() == ["a", "c"] and cache.tokens == 7 and cache.evictions == 1
+    cache.put("a", _draft(6))  # replacing an entry re-counts its tokens
+    assert cache.tokens == 9 and cache.keys() == ["c", "a"]
+    cache.put("big", _draft(11))  # larger than the cap: not stored, nothing evicted
+    assert "big" not in cache and cache.tokens == 9
+    cache.put("d", _draft(5))
+    assert cache.keys() == ["d"] and cache.evictions == 3
+    assert cache.get("missing") is None
+    # a draft recorded for another prompt is a miss, and is dropped
+    assert cache.get("d", prompt_hash=123) is None and len(cache) == 0
+    with pytest.raises(ValueError):
+        RolloutCache(0)
+
+
+def test_cache_checkpoint_round_trip(tmp_path):
+    cache = RolloutCache(max_tokens=100)
+    for i, key in enumerate([("p1", 0), ("p2", 1), ("p3", 0)]):
+        cache.put(
+            key,
+            Draft(
+                torch.arange(i + 2),
+                torch.randn(i + 2),
+                torch.zeros(i + 2, 3).long(),
+                torch.randn(i + 2, 3),
+                7,
+            ),
+        )
+    cache.get(("p1", 0))
+    torch.save({"reuse": cache.state_dict()}, tmp_path / "ck.pt")
+    restored = RolloutCache(max_tokens=100)
+    restored.load_state_dict(torch.load(tmp_path / "ck.pt", weights_only=False)["reuse"])
+    assert restored.keys() == cache.keys() == [("p2", 1), ("p3", 0), ("p1", 0)]
+    assert restored.tokens == cache.tokens and restored.evictions == cache.evictions
+    keys = cache.keys()
+    for key in keys:
+        a, b = cache.get(key), restored.get(key)
+        for f in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+            assert torch.equal(getattr(a, f), getattr(b, f))
+        assert a.prompt_hash == b.prompt_hash
+    smaller = RolloutCache(max_tokens=5)  # a lowered cap evicts the oldest on load
+    smaller.load_state_dict(cache.state_dict())
+    assert smaller.keys() == [("p1", 0)] and smaller.tokens == 2
+
+
+def test_fixed_prompt_batches_cover_each_epoch_once():
+    pool = list(range(12))
+    batches = [fixed_prompt_batch(pool, s, 4, seed=0) for s in range(6)]
+    assert sorted(sum(batches[:3], [])) == pool and sorted(sum(batches[3:], [])) == pool
+    assert sum(batches[:3], []) != sum(batches[3:], [])  # each epoch has its own order
+    assert batches == [fixed_prompt_batch(pool, s, 4, seed=0) for s in range(6)]  # stateless
+
+
+def test_reuse_config_validation():
+    from bitrl.engine.config import ConfigError, load_config
+
+    cfg = load_config(
+        None, ["rollout.reuse.enabled=true", "rollout.reuse.mode=exact", "rollout.fixed_prompts=64"]
+    )
+    assert cfg.rollout.reuse.enabled and cfg.rollout.reuse.mode == "exact" and cfg.rollout.fixed_prompts == 64
+    for override, field in [
+        ("rollout.reuse.lenience=0", "rollout.reuse.lenience"),
+        ("rollout.reuse.mode=fast", "rollout.reuse.mode"),
+        ("rollout.reuse.cache_tokens=0", "rollout.reuse.cache_tokens"),
+        ("rollout.reuse.exact_topk=-1", "rollout.reuse.exact_topk"),
+        ("rollout.fixed_prompts=0", "rollout.fixed_prompts"),
+        ("rollout.reuse.nope=1", "rollout.reuse.nope: unknown field"),
+    ]:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_config(None, [override])
