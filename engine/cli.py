@@ -8,6 +8,7 @@ import sys
 COMMANDS = {
     "train": ("bitrl.engine.train_cmd", "main", "run RL training (default: the embedded demo)"),
     "bench": ("bitrl.kernels.bench", "main", "kernel microbenchmarks"),
+    "mismatch": ("bitrl.engine.mismatch_cmd", "main", "rollout vs trainer log-prob mismatch diagnostics"),
     "quant-report": ("bitrl.quant.report", "main", "quantization error report per layer"),
 }
 

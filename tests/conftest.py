@@ -31,6 +31,42 @@ def tiny_qwen():
     return Qwen2ForCausalLM(config).eval()
 
 
+def save_tiny_hf_model(directory):
+    """Write a random 2-layer Qwen2 model and a character-level fast tokenizer, as `save_pretrained` does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    chars = list("0123456789+-=?.,: abcdefghijklmnopqrstuvwxyz")
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate(chars)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+@pytest.fixture
+def hf_model_dir(tmp_path):
+    save_tiny_hf_model(tmp_path / "model")
+    return tmp_path / "model"
+
+
 def pytest_report_header(config):
     interpret = os.environ.get("TRITON_INTERPRET")
     return f"torch {torch.__version__}, cuda: {torch.cuda.is_available()}, TRITON_INTERPRET={interpret}"
