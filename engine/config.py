@@ -118,7 +118,8 @@ class TrainConfig(Section):
     clip_ratio_c: float | None = Field(None, gt=1)  # dual clip for negative advantages; None disables it
     entropy_coef: float = Field(0.0, ge=0)
     correction: str = "none"
-    correction_cap: float = Field(2.0, gt=0)
+    # Parameters of the correction, e.g. {"correction_cap": 2.0} or {"icepop_alpha": 0.5, "icepop_beta": 5.0}.
+    correction_args: dict[str, float] = {}
 
     @model_validator(mode="after")
     def _names(self):

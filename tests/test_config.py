@@ -53,3 +53,12 @@ def test_cli_stops_before_any_work(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "runs").exists()
     assert cli_main(["nope"]) == 2
     assert cli_main(["--help"]) == 0
+
+
+def test_correction_args():
+    cfg = load_config(None, ["train.correction=icepop", 'train.correction_args={"icepop_alpha": 0.4}'])
+    assert cfg.train.correction_args == {"icepop_alpha": 0.4}
+    with pytest.raises(ConfigError, match=r"train\.correction_args has unknown parameters \['alpha'\]"):
+        load_config(None, ['train.correction_args={"alpha": 0.4}'])
+    with pytest.raises(ConfigError, match=r"rollout\.precision"):
+        load_config(None, ["rollout.precision=int3"])

@@ -47,7 +47,7 @@ def test_trainer_step_moves_probability_toward_positive_advantages(tiny_qwen):
         clip_eps_high=0.28,
         clip_ratio_c=None,
         correction="none",
-        correction_cap=2.0,
+        correction_args={},
         entropy_coef=0.0,
     )
     rollout = generate(

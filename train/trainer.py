@@ -66,7 +66,7 @@ class PolicyTrainer:
                     clip_ratio_c=cfg.clip_ratio_c,
                     rollout_logprobs=part.logprobs,
                     correction=cfg.correction,
-                    correction_cap=cfg.correction_cap,
+                    **cfg.correction_args,
                     entropy=entropy,
                     entropy_coef=cfg.entropy_coef,
                 )
