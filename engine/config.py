@@ -7,6 +7,7 @@ two-digit addition). An unknown field or a bad value raises ConfigError naming t
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Literal
 
@@ -124,6 +125,7 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _names(self):
         from bitrl.kernels import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
+        from bitrl.kernels.core_algos import LossConfig
         from bitrl.train.advantages import ADVANTAGES
 
         for field, table in (
@@ -136,6 +138,10 @@ class TrainConfig(Section):
                 raise ValueError(
                     f"train.{field} must be one of {sorted(table)}, got {getattr(self, field)!r}"
                 )
+        allowed = {f.name for f in fields(LossConfig)} - {"extra"}
+        unknown = set(self.correction_args) - allowed
+        if unknown:
+            raise ValueError(f"train.correction_args has unknown parameters {sorted(unknown)}")
         return self
 
 
