@@ -91,7 +91,7 @@ def test_3d_input_and_rejects_2d_blocks():
         quantize(torch.randn(4, 8), "fp8_e4m3", block_size=(2, 4), backend="triton")
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15, deadline=None, derandomize=True)
 @given(
     fmt=st.sampled_from(["mxfp4", "mxfp8", "nvfp4"]),
     rows=st.integers(1, 3),
