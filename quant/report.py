@@ -84,7 +84,12 @@ def build_demo_model(
 def load_model(path: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True).eval()
+    try:  # transformers >= 5 names it `dtype`
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    except TypeError:
+        return AutoModelForCausalLM.from_pretrained(
+            path, torch_dtype=torch.float32, local_files_only=True
+        ).eval()
 
 
 def short_name(name: str) -> str:

@@ -259,5 +259,16 @@ def test_report_cli(tmp_path, capsys):
         main(["--format", "mxfp4"])  # --model or --demo is required
 
 
+def test_report_cli_on_a_saved_model(tmp_path, capsys):
+    from bitrl.quant.report import main
+
+    _tiny().save_pretrained(tmp_path / "m")
+    rc = main(
+        ["--model", str(tmp_path / "m"), "--format", "mxfp4", "--out", str(tmp_path), "--aqn-stages", "2"]
+    )
+    assert rc == 0 and "macro-block scaling" in capsys.readouterr().out
+    assert (tmp_path / "quant_report_mxfp4.json").exists()
+
+
 def test_all_formats_known():
     assert set(FORMATS) == {"fp8_e4m3", "fp8_e5m2", "mxfp8", "mxfp4", "nvfp4"}
