@@ -291,33 +291,63 @@ def generate_with_drafts(
     batch = len(prompts)
     prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
 
-    # ---- 1. one forward over prompt + draft for every row
+    # ---- 1. verification: every distinct prompt is prefilled once, then ONE forward over all drafts
     draft_tokens = [(d.tokens[:max_new_tokens].tolist() if d is not None else []) for d in drafts]
     n = torch.tensor([len(t) for t in draft_tokens], dtype=torch.long, device=device)
     width_d = int(n.max())
-    ids, mask = left_pad([p + t for p, t in zip(prompts, draft_tokens)], pad_id, device)
-    attn = mask.long()
+    # Rows of a group share their prompt, and often their whole draft: compute each distinct one once.
+    prompt_index: dict = {}
+    seq_index: dict = {}
+    u_of_row, s_of_row, u_of_seq, seq_drafts = [], [], [], []
+    for p, t in zip(prompts, draft_tokens):
+        u = prompt_index.setdefault(tuple(p), len(prompt_index))
+        s = seq_index.setdefault((u, tuple(t)), len(seq_index))
+        if s == len(u_of_seq):
+            u_of_seq.append(u)
+            seq_drafts.append(t)
+        u_of_row.append(u)
+        s_of_row.append(s)
+    uniq_prompts = [list(p) for p in prompt_index]
+    p_ids, p_mask = left_pad(uniq_prompts, pad_id, device)
+    p_attn = p_mask.long()
+    p_len = p_attn.sum(-1)
     cache = DynamicCache(config=model.config)
     out = model(
-        input_ids=ids,
-        attention_mask=attn,
-        position_ids=position_ids_from_mask(attn),
+        input_ids=p_ids,
+        attention_mask=p_attn,
+        position_ids=position_ids_from_mask(p_attn),
         cache=cache,
         use_cache=True,
-        logits_to_keep=width_d + 1,
+        logits_to_keep=1,
     )
-    # Response position i of row b is predicted by kept column width_d - n_b + i (i = 0 .. n_b).
-    cols = (width_d - n)[:, None] + torch.arange(width_d + 1, device=device)[None, :]
-    cols = cols.clamp(max=width_d)
-    logits = out.logits.gather(1, cols[..., None].expand(-1, -1, out.logits.shape[-1]))
-    logp_new = filtered_logprobs(logits, temperature, top_k, top_p)  # [B, D+1, V]
+    seq_u = torch.tensor(u_of_seq, dtype=torch.long, device=device)
+    logits = out.logits[:, -1:][seq_u]  # [S, 1, V]: predicts response position 0
+    if len(u_of_seq) != len(uniq_prompts):
+        cache.batch_select_indices(seq_u)
+    attn_seq = p_attn[seq_u]
+    if width_d > 0:
+        d_ids = torch.tensor([t + [pad_id] * (width_d - len(t)) for t in seq_drafts], device=device)
+        n_seq = torch.tensor([len(t) for t in seq_drafts], dtype=torch.long, device=device)
+        steps = torch.arange(width_d, device=device)[None, :]
+        attn_seq = torch.cat([attn_seq, (steps < n_seq[:, None]).long()], dim=1)
+        out = model(
+            input_ids=d_ids,
+            attention_mask=attn_seq,
+            position_ids=p_len[seq_u][:, None] + steps,
+            cache=cache,
+            use_cache=True,
+        )
+        logits = torch.cat([logits, out.logits], dim=1)  # [S, D+1, V]: column i predicts position i
+    row_s = torch.tensor(s_of_row, dtype=torch.long, device=device)
+    logp_new = filtered_logprobs(logits, temperature, top_k, top_p)[row_s]  # [B, D+1, V]
 
     # ---- 2. acceptance
-    drafted = torch.full((batch, width_d), pad_id, dtype=torch.long, device=device)
+    drafted = torch.tensor(
+        [t + [pad_id] * (width_d - len(t)) for t in draft_tokens], dtype=torch.long, device=device
+    ).view(batch, width_d)
     old_lp = torch.zeros((batch, width_d), dtype=torch.float32, device=device)
     for b, (tokens, d) in enumerate(zip(draft_tokens, drafts)):
         if tokens:
-            drafted[b, : len(tokens)] = torch.tensor(tokens, device=device)
             old_lp[b, : len(tokens)] = d.logprobs[: len(tokens)].to(device)
     new_lp_drafted = logp_new[:, :width_d].gather(-1, drafted[..., None]).squeeze(-1)
     if width_d > 0:
@@ -344,18 +374,19 @@ def generate_with_drafts(
     decode_steps = 0
     if len(active):
         a_acc = accepted_len[active]
-        # Columns after the last accepted token of every resumed row are useless: crop them.
-        drop = int((n[active] - a_acc).min())
+        # Draft columns after the longest accepted prefix of the resumed rows are useless: crop them.
+        drop = width_d - int(a_acc.max())
         if drop:
             cache.crop(-drop)
-        if len(active) < batch:
-            cache.batch_select_indices(active)
-        width = ids.shape[1] - drop
-        attn = attn[active, :width].clone()
-        # Mask the rejected draft columns of each row (those after its accepted prefix).
-        last_kept = ids.shape[1] - 1 - (n[active] - a_acc)  # column of each row's last accepted/prompt token
-        attn[torch.arange(width, device=device)[None, :] > last_kept[:, None]] = 0
-        pos = torch.tensor([len(prompts[b]) for b in active.tolist()], device=device) + a_acc
+        sel = row_s[active]
+        if len(sel) != len(u_of_seq) or not torch.equal(sel, torch.arange(len(sel), device=device)):
+            cache.batch_select_indices(sel)
+        prompt_width = p_ids.shape[1]
+        attn = attn_seq[sel, : attn_seq.shape[1] - drop].clone()
+        # Mask each row's rejected draft columns (those after its accepted prefix).
+        steps = torch.arange(attn.shape[1] - prompt_width, device=device)[None, :]
+        attn[:, prompt_width:] = (steps < a_acc[:, None]).long()
+        pos = p_len[torch.tensor(u_of_row, device=device)[active]] + a_acc
         logp = logp_new[active, a_acc]  # [A, V] the distribution at the resume position
         if mode == "exact" and bool(rejected[active].any()):
             logp = _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, keep_topk, device)

@@ -131,7 +131,11 @@ def test_resume_from_rejection_equals_fresh_generation(tiny_qwen, top_k, top_p):
         tiny_qwen, PROMPTS, drafts, generator=torch.Generator().manual_seed(11), **sampling
     )
     del tiny_qwen.forward
-    assert sum(shape[1] > 1 for shape in calls) == 1, "one verification forward, then only decoding steps"
+    # Verification: the distinct prompts are prefilled once, then one forward over every draft; after that
+    # only single-token decoding steps (no second prefill).
+    assert calls[0] == (len(PROMPTS), max(map(len, PROMPTS)))
+    assert calls[1] == (len(PROMPTS), max(len(d.tokens) for d in drafts if d is not None))
+    assert all(shape[1] == 1 for shape in calls[2:]) and len(calls) > 2
 
     expected_acc = [0 if a is None else a for a in accept_at]
     assert stats.accepted.tolist() == expected_acc
