@@ -25,6 +25,7 @@ from bitrl.rollout.reuse_tv import (
     sequences,
     total_variation,
 )
+from bitrl.train.logprobs import token_logprobs
 
 L = math.log
 
@@ -399,3 +400,48 @@ def test_reuse_config_validation():
     ]:
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(None, [override])
+
+
+def test_draft_length_against_max_new_tokens(tiny_qwen):
+    """Drafts are cut at max_new_tokens; an accepted draft that has not ended nor hit the limit goes on."""
+    sampling = dict(eos_id=2, pad_id=0)
+    r0 = generate(
+        tiny_qwen, PROMPTS, max_new_tokens=4, generator=torch.Generator().manual_seed(4), **sampling
+    )
+    drafts = _forced_drafts(r0, [4] * len(PROMPTS))  # every token accepted
+    short, stats, _ = generate_with_drafts(
+        tiny_qwen, PROMPTS, drafts, max_new_tokens=2, generator=torch.Generator().manual_seed(0), **sampling
+    )
+    assert stats.fully_reused.all() and torch.equal(short.response_ids, r0.response_ids[:, :2])
+    long, stats, _ = generate_with_drafts(
+        tiny_qwen, PROMPTS, drafts, max_new_tokens=7, generator=torch.Generator().manual_seed(0), **sampling
+    )
+    for b in range(len(PROMPTS)):
+        n = int(r0.response_mask[b].sum())
+        got = long.response_ids[b][long.response_mask[b]].tolist()
+        assert got[:n] == r0.response_ids[b, :n].tolist()
+        ended = r0.response_ids[b, n - 1] == 2
+        assert bool(stats.fully_reused[b]) == bool(ended)
+        assert len(got) == n if ended else (len(got) == 7 or got[-1] == 2)
+
+
+def test_low_precision_rollout_copy(tiny_qwen):
+    """A bf16 rollout copy verifies and resumes; log-probs are its own (fp32), within bf16 noise."""
+    model = copy.deepcopy(tiny_qwen).to(torch.bfloat16)
+    sampling = dict(max_new_tokens=8, eos_id=2, pad_id=0)
+    r0 = generate(model, PROMPTS, generator=torch.Generator().manual_seed(6), **sampling)
+    drafts = _forced_drafts(r0, [1, 0, 2, None, 3])
+    out, stats, _ = generate_with_drafts(
+        model,
+        PROMPTS,
+        drafts,
+        mode="exact",
+        keep_topk=4,
+        generator=torch.Generator().manual_seed(1),
+        **sampling,
+    )
+    assert out.logprobs.dtype == torch.float32
+    with torch.no_grad():
+        full, _ = token_logprobs(model, out, with_entropy=False)
+    m = out.response_mask
+    torch.testing.assert_close(out.logprobs[m], full[m], atol=0.1, rtol=0.05)
