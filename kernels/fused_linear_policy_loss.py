@@ -215,7 +215,8 @@ def fused_linear_policy_loss(
 
     All loss options are those of ``policy_loss``. ``compute_entropy`` adds the entropy metric (it is
     computed anyway when ``entropy_coef != 0``). ``chunk_size`` is the number of *sequences* per chunk
-    (default: about 64 MiB of fp32 logits per chunk). Returns ``(loss, metrics)`` like ``policy_loss``.
+    (default: about 128 MiB of fp32 logits per chunk on CPU, 1 GiB on CUDA). Returns ``(loss, metrics)``
+    like ``policy_loss``.
     """
     check_tensor("targets", targets, ndim=2, dtypes=(torch.int64, torch.int32))
     B, T = targets.shape
