@@ -13,6 +13,10 @@ torch.cuda.max_memory_allocated.
     bitrl bench                      # CPU target size: fp32, N=8192, H=1024, V=32768
     bitrl bench --quick              # small sizes, a few seconds
     bitrl bench --json out.json      # also write the results
+    bitrl bench --out DIR            # results.json + table.md in DIR
+
+On a GPU machine, one short run covers the kernel checks:
+    TRITON_INTERPRET=0 pytest tests/test_kernels_*.py -q && bitrl bench --quick --out $OUT/kernels
 """
 
 from __future__ import annotations
@@ -342,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-gpu", action="store_true", help="skip the GPU section")
     p.add_argument("--no-peers", action="store_true", help="skip Liger-Kernel / cut-cross-entropy")
     p.add_argument("--json", help="write the results to this JSON file")
+    p.add_argument("--out", help="write results.json and table.md into this folder (e.g. on a GPU machine)")
     p.add_argument("--_peak", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -370,11 +375,19 @@ def main(argv: list[str] | None = None) -> int:
         print("GPU section skipped: no CUDA device on this machine (GPU rows: not measured).")
     else:  # pragma: no cover - needs CUDA
         rows += gpu_section(dict(GPU_TARGET), args.reps)
-    print(format_table(rows))
-    print(
+    note = (
         "time: median of round-robin repetitions, forward+backward; peak MiB: growth of the peak RSS (VmHWM) "
         "in a fresh subprocess (CPU) or torch.cuda.max_memory_allocated (GPU)."
     )
+    table = format_table(rows)
+    print(table)
+    print(note)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(rows, f, indent=2)
+        with open(os.path.join(args.out, "table.md"), "w") as f:
+            f.write(table + "\n\n" + note + "\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
