@@ -4,15 +4,19 @@ For every prompt seen before, the rollout cache holds the response sampled for i
 it was sampled with (pi_old) and, for the "exact" mode, the top-k of the old sampling distribution at each
 position. `generate_with_drafts` then
 
-1. runs ONE batched forward over prompt + draft for every row (rows without a draft are just prefilled);
+1. verifies all drafts in ONE batched forward: each distinct prompt is prefilled once (the G samples of a
+   group share it), its KV cache is expanded to the distinct (prompt, draft) sequences, and one forward over
+   the drafts (right-padded, per-row positions) gives pi_new at every draft position (rows without a draft
+   are just prefilled; identical drafts of a group are scored once);
 2. accepts draft token i if u_i <= min(1, lenience * pi_new(y_i) / pi_old(y_i)), tested in log space, with
    u_i drawn from the rollout generator; the accepted prefix is the run of accepted tokens before the first
    rejection;
 3. returns fully accepted, finished drafts as they are, and resumes generation for the other rows at their
-   first rejected position, reusing the verification KV cache (no second prefill). Rejected draft columns
-   stay in the cache but are masked out of attention; every row keeps its own position counter, so left
-   padding and per-row accepted lengths need no copying of the cache. Trailing columns rejected in every
-   resumed row are cropped, rows that need no generation are dropped from the cache before decoding.
+   first rejected position, reusing the verification KV cache (no second prefill). The cache layout is
+   [left-padded prompt | draft columns]: rejected draft columns stay in the cache but are masked out of
+   attention and every row keeps its own position counter, so per-row accepted lengths need no copying of
+   the cache. Draft columns after the longest accepted prefix are cropped, and rows that need no generation
+   are dropped from the cache before decoding.
 
 At the first rejected position the "spec-rl" mode samples from pi_new (SPEC-RL); the "exact" mode samples
 from the residual norm(max(0, pi_new - min(pi_old, lenience * pi_new))), which is plain speculative sampling
