@@ -445,3 +445,24 @@ def test_low_precision_rollout_copy(tiny_qwen):
         full, _ = token_logprobs(model, out, with_entropy=False)
     m = out.response_mask
     torch.testing.assert_close(out.logprobs[m], full[m], atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp4", "nvfp4"])
+def test_quantized_rollout_copy(tiny_qwen, precision):
+    """Reuse runs on every quantized rollout copy; returned log-probs are that copy's own."""
+    from bitrl.rollout.precision import make_rollout_model
+
+    model = make_rollout_model(tiny_qwen, precision)
+    sampling = dict(max_new_tokens=6, eos_id=2, pad_id=0)
+    r0 = generate(model, PROMPTS, generator=torch.Generator().manual_seed(6), **sampling)
+    out, _, _ = generate_with_drafts(
+        model,
+        PROMPTS,
+        _forced_drafts(r0, [1, 0, 2, None, 3]),
+        generator=torch.Generator().manual_seed(1),
+        **sampling,
+    )
+    with torch.no_grad():
+        full, _ = token_logprobs(model, out, with_entropy=False)
+    m = out.response_mask
+    torch.testing.assert_close(out.logprobs[m], full[m], atol=1e-3, rtol=1e-3)
