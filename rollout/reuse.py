@@ -37,6 +37,7 @@ import math
 import random
 import time
 import zlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -53,7 +54,7 @@ MODES = ("spec-rl", "exact")
 
 def prompt_fingerprint(prompt: list[int]) -> int:
     """A stable 32-bit hash of a prompt's token ids (guards a cache key against a changed prompt)."""
-    return zlib.crc32(torch.tensor(prompt, dtype=torch.int64).numpy().tobytes())
+    return zlib.crc32(array("q", prompt).tobytes())
 
 
 @dataclass
@@ -293,7 +294,6 @@ def generate_with_drafts(
     t_start = time.perf_counter()
     device = next(model.parameters()).device
     batch = len(prompts)
-    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
 
     # ---- 1. verification: every distinct prompt is prefilled once, then ONE forward over all drafts
     draft_tokens = [(d.tokens[:max_new_tokens].tolist() if d is not None else []) for d in drafts]
@@ -349,10 +349,11 @@ def generate_with_drafts(
     drafted = torch.tensor(
         [t + [pad_id] * (width_d - len(t)) for t in draft_tokens], dtype=torch.long, device=device
     ).view(batch, width_d)
-    old_lp = torch.zeros((batch, width_d), dtype=torch.float32, device=device)
-    for b, (tokens, d) in enumerate(zip(draft_tokens, drafts)):
-        if tokens:
-            old_lp[b, : len(tokens)] = d.logprobs[: len(tokens)].to(device)
+    old_lp = torch.nn.utils.rnn.pad_sequence(
+        [d.logprobs[: len(t)].float() if t else torch.zeros(0) for t, d in zip(draft_tokens, drafts)],
+        batch_first=True,
+    ).to(device)
+    old_lp = torch.cat([old_lp, old_lp.new_zeros(batch, width_d - old_lp.shape[1])], dim=1)
     new_lp_drafted = logp_new[:, :width_d].gather(-1, drafted[..., None]).squeeze(-1)
     if width_d > 0:
         gen_device = generator.device if generator is not None else device
@@ -423,61 +424,63 @@ def generate_with_drafts(
             logp = step_logp
 
     # ---- 4. assemble: accepted prefix + continuation, log-probs of the current policy everywhere
-    rows_tok: list[list[int]] = []
-    rows_lp: list[torch.Tensor] = []
-    row_of_active = {b: i for i, b in enumerate(active.tolist())}
+    steps_c = max(1, len(cont_tokens))
+    cont_len = torch.zeros(batch, dtype=torch.long, device=device)
+    cont_tok = torch.full((batch, steps_c), pad_id, dtype=torch.long, device=device)
+    cont_lp = torch.zeros((batch, steps_c), dtype=torch.float32, device=device)
     if cont_tokens:
-        c_tok = torch.stack(cont_tokens, 1)
-        c_lp = torch.stack(cont_lps, 1)
-        c_alive = torch.stack(cont_alive, 1)
-    acc_list = accepted_len.tolist()
-    for b in range(batch):
-        a = acc_list[b]
-        tokens = draft_tokens[b][:a]
-        lps = new_lp_drafted[b, :a]
-        if b in row_of_active:
-            i = row_of_active[b]
-            keep = c_alive[i]
-            tokens = tokens + c_tok[i][keep].tolist()
-            lps = torch.cat([lps, c_lp[i][keep]])
-        rows_tok.append(tokens)
-        rows_lp.append(lps)
-    width_r = max(len(t) for t in rows_tok)
-    response_ids = torch.full((batch, width_r), pad_id, dtype=torch.long, device=device)
-    response_mask = torch.zeros((batch, width_r), dtype=torch.bool, device=device)
-    logprobs = torch.zeros((batch, width_r), dtype=torch.float32, device=device)
-    for b, (tokens, lps) in enumerate(zip(rows_tok, rows_lp)):
-        response_ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=device)
-        response_mask[b, : len(tokens)] = True
-        logprobs[b, : len(tokens)] = lps
-    rollout = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, logprobs)
+        alive_cols = torch.stack(cont_alive, 1)  # a contiguous prefix of True per row
+        cont_len[active] = alive_cols.sum(1)
+        cont_tok[active] = torch.stack(cont_tokens, 1)
+        cont_lp[active] = torch.stack(cont_lps, 1)
+    total = accepted_len + cont_len
+    width_r = int(total.max())
+    cols_r = torch.arange(width_r, device=device)[None, :]
+    in_prefix = cols_r < accepted_len[:, None]
+    from_cont = (cols_r - accepted_len[:, None]).clamp(0, steps_c - 1)
+    response_mask = cols_r < total[:, None]
+
+    def splice(prefix: torch.Tensor, cont: torch.Tensor, fill) -> torch.Tensor:
+        """[B, width_r, ...]: prefix[:, j] for j < accepted, else cont[:, j - accepted]; fill past the end."""
+        extra = prefix.shape[2:]
+        if prefix.shape[1] < width_r:
+            pad = prefix.new_full((batch, width_r - prefix.shape[1], *extra), fill)
+            prefix = torch.cat([prefix, pad], dim=1)
+        prefix = prefix[:, :width_r]
+        index = from_cont.view(batch, width_r, *([1] * len(extra))).expand(batch, width_r, *extra)
+        out = torch.where(in_prefix.view(batch, width_r, *([1] * len(extra))), prefix, cont.gather(1, index))
+        return out.masked_fill(~response_mask.view(batch, width_r, *([1] * len(extra))), fill)
+
+    response_ids = splice(drafted, cont_tok, pad_id)
+    logprobs = splice(new_lp_drafted.float(), cont_lp, 0.0)
+    prompt_rows = torch.tensor(u_of_row, dtype=torch.long, device=device)
+    rollout = Rollout(p_ids[prompt_rows], p_mask[prompt_rows], response_ids, response_mask, logprobs)
 
     # ---- 5. the returned responses are next epoch's drafts
-    new_drafts = []
+    lengths = total.tolist()
+    top_ids = top_lp = None
     if keep_topk:
         acc_ids, acc_top = _top(logp_new[:, :width_d], keep_topk)
+        k = acc_ids.shape[-1]
+        c_ids = torch.zeros((batch, steps_c, k), dtype=torch.long, device=device)
+        c_top = torch.full((batch, steps_c, k), float("-inf"), device=device)
         if cont_top:
-            c_ids = torch.stack([t[0] for t in cont_top], 1)
-            c_top = torch.stack([t[1] for t in cont_top], 1)
-    for b in range(batch):
-        a, length = acc_list[b], len(rows_tok[b])
-        top_ids = top_lp = None
-        if keep_topk:
-            top_ids, top_lp = acc_ids[b, :a], acc_top[b, :a]
-            if b in row_of_active:
-                i = row_of_active[b]
-                top_ids = torch.cat([top_ids, c_ids[i, : length - a]])
-                top_lp = torch.cat([top_lp, c_top[i, : length - a]])
-            top_ids, top_lp = top_ids.cpu(), top_lp.cpu()
-        new_drafts.append(
-            Draft(
-                tokens=response_ids[b, :length].cpu(),
-                logprobs=logprobs[b, :length].cpu(),
-                top_ids=top_ids,
-                top_logprobs=top_lp,
-                prompt_hash=prompt_fingerprint(prompts[b]),
-            )
+            c_ids[active] = torch.stack([t[0] for t in cont_top], 1)
+            c_top[active] = torch.stack([t[1] for t in cont_top], 1)
+        top_ids = splice(acc_ids, c_ids, 0).cpu()
+        top_lp = splice(acc_top, c_top, float("-inf")).cpu()
+    hashes = [prompt_fingerprint(p) for p in uniq_prompts]
+    ids_cpu, lps_cpu = response_ids.cpu(), logprobs.cpu()
+    new_drafts = [
+        Draft(
+            tokens=ids_cpu[b, :length].clone(),
+            logprobs=lps_cpu[b, :length].clone(),
+            top_ids=None if top_ids is None else top_ids[b, :length].clone(),
+            top_logprobs=None if top_lp is None else top_lp[b, :length].clone(),
+            prompt_hash=hashes[u_of_row[b]],
         )
+        for b, length in enumerate(lengths)
+    ]
     tokens_returned = int(response_mask.sum())
     stats = ReuseStats(
         has_draft=(n > 0).cpu(),
