@@ -89,9 +89,9 @@ class ReuseConfig(Section):
 class RolloutConfig(Section):
     # Weights of the rollout copy: "full" (the policy's dtype), fp32/bf16/fp16, or fp8/mxfp8/mxfp4/nvfp4.
     precision: Literal["full", "fp32", "bf16", "fp16", "fp8", "mxfp8", "mxfp4", "nvfp4"] = "full"
-    act_quant: str | None = (
-        None  # activation quantization of quantized rollouts (see bitrl.quant.QuantLinear)
-    )
+    # Activations of quantized rollouts: "auto" (fp8 -> W8A8 per-token, 4-bit -> weights only), None,
+    # "fp8", or "mxfp4"/"nvfp4"/"mxfp8" (simulated W4A4). See bitrl.quant.QuantLinear.
+    act_quant: Literal["auto", "fp8", "mxfp8", "mxfp4", "nvfp4"] | None = "auto"
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(6, ge=1)
@@ -148,9 +148,9 @@ class TrainConfig(Section):
 class Config(Section):
     name: str = "demo"
     seed: int = 0
-    steps: int = Field(300, ge=1)
-    eval_every: int = Field(25, ge=1)
-    checkpoint_every: int = Field(25, ge=1)
+    steps: int = Field(200, ge=1)
+    eval_every: int = Field(20, ge=1)
+    checkpoint_every: int = Field(20, ge=1)
     out_dir: str = "runs"
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 keeps torch's default
     model: ModelConfig = ModelConfig()

@@ -16,10 +16,11 @@ QUANT_FORMATS = {"fp8": "fp8_e4m3", "mxfp8": "mxfp8", "mxfp4": "mxfp4", "nvfp4":
 PRECISIONS = ("full", *FLOAT_PRECISIONS, *QUANT_FORMATS)
 
 
-def make_rollout_model(policy: torch.nn.Module, precision: str = "full", act: str | None = None):
+def make_rollout_model(policy: torch.nn.Module, precision: str = "full", act: str | None = "auto"):
     """A copy of `policy` for generation. precision: "full" (the policy's own dtype) or a name in PRECISIONS.
 
-    act: activation quantization for quantized precisions (None: weights only; see bitrl.quant.QuantLinear).
+    act: activation quantization for quantized precisions ("auto": W8A8 for fp8, weights only for 4-bit;
+    None: weights only; see bitrl.quant.QuantLinear).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"rollout.precision must be one of {PRECISIONS}, got {precision!r}")
