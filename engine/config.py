@@ -92,6 +92,15 @@ class RolloutConfig(Section):
     # Activations of quantized rollouts: "auto" (fp8 -> W8A8 per-token, 4-bit -> weights only), None,
     # "fp8", or "mxfp4"/"nvfp4"/"mxfp8" (simulated W4A4). See bitrl.quant.QuantLinear.
     act_quant: Literal["auto", "fp8", "mxfp8", "mxfp4", "nvfp4"] | None = "auto"
+    # Adaptive quantization noise: K stages over the run (sigma 0, then 1e-2 -> 1e-4); 0 disables it.
+    aqn_stages: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _aqn(self):
+        if self.aqn_stages == 1:
+            raise ValueError("rollout.aqn_stages must be 0 (off) or >= 2 (the first stage has no noise)")
+        return self
+
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(6, ge=1)

@@ -17,6 +17,7 @@ from bitrl.engine.models import build_demo_model, load_pretrained
 from bitrl.engine.report import plot_metrics
 from bitrl.engine.tasks import REWARDS, ArithmeticTask, CharTokenizer, JsonlTask
 from bitrl.engine.warmstart import warm_start
+from bitrl.quant import AQN, AQNSchedule
 from bitrl.rollout.engine import generate
 from bitrl.rollout.precision import make_rollout_model, sync_rollout_model_
 from bitrl.rollout.reuse import SpeculativeReuse, draw_prompt_pool, fixed_prompt_batch
@@ -87,9 +88,13 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
 
     # The rollout copy in its own precision (bf16, fp8, mxfp4, ...), synced after every update.
     rollout_model = make_rollout_model(policy, cfg.rollout.precision, cfg.rollout.act_quant)
+    aqn = None
+    if cfg.rollout.aqn_stages:  # adaptive quantization noise on the rollout copy's RMSNorm weights
+        aqn = AQN(AQNSchedule(cfg.steps, num_stages=cfg.rollout.aqn_stages), seed=cfg.seed)
     progress = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.name)
     for step in progress:
         t0 = time.perf_counter()
+        aqn_sigma = aqn.apply_(rollout_model, step) if aqn is not None else None
         # 1. rollout: G samples for each of the step's prompts
         if pool is None:
             problems = [task.sample(data_rng) for _ in range(cfg.rollout.prompts_per_step)]
@@ -130,6 +135,7 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
             "rollout_time_s": t_rollout,
             "step_time_s": step_time,
             **(reuse.last_metrics if reuse is not None else {}),
+            **({"aqn_sigma": aqn_sigma} if aqn is not None else {}),
         }
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             record["accuracy"] = accuracy(policy, tokenizer, task.eval_problems, cfg)
