@@ -71,6 +71,9 @@ class LossConfig:
     correction_high: float | None = None
     icepop_alpha: float = 0.5
     icepop_beta: float = 5.0
+    reject_threshold: float | None = None  # rejection by divergence; None: the divergence at rho = 2
+    ais_kl_scale: float = 0.01  # AIS: k3 KL (nats/token) at which the severity reaches 1 - 1/e
+    ais_min_ess: float = 0.5  # AIS: below this ESS, tokens with rho outside [1/C, C] are masked
     extra: dict = field(default_factory=dict)
 
 
@@ -354,8 +357,7 @@ def kl_k3(lp, ref):
 # ----------------------------------------------------------------------------------------------------------
 # rollout corrections: fn(log_rho, mask, cfg) -> CorrectionResult
 #   log_rho = log pi_train_old(y) - log pi_rollout(y) (detached), mask as above.
-#   Future variants (rejection by k1/k2/k3 per token/sequence, adaptive IS with a batch coefficient lambda)
-#   are one function each: return keep=... or weight=... from log_rho and mask.
+#   Each variant is one function: return keep=... and/or weight=... from log_rho and mask.
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -417,3 +419,87 @@ def corr_icepop(log_rho, mask, cfg: LossConfig) -> CorrectionResult:
     rho = torch.exp(log_rho.clamp(-_KL_CLAMP, _KL_CLAMP))
     inside = (rho >= cfg.icepop_alpha) & (rho <= cfg.icepop_beta)
     return CorrectionResult(weight=torch.where(inside, rho, torch.zeros_like(rho)))
+
+
+# Rejection by divergence: drop tokens, or whole sequences, whose divergence between the trainer and the
+# rollout policy exceeds ``reject_threshold``. Per-token divergences, log rho = log pi_train - log pi_rollout:
+#   k1 = -log rho (signed; compared by absolute value), k2 = (log rho)^2 / 2, k3 = rho - 1 - log rho.
+# Levels: token; seq-sum, seq-mean, seq-max (aggregate over the sequence's tokens, then keep or drop it all).
+# The default threshold is each divergence at rho = 2 (k1 0.69, k2 0.24, k3 0.31).
+
+_DIVERGENCES = {
+    "k1": lambda lr: -lr,
+    "k2": lambda lr: 0.5 * lr * lr,
+    "k3": lambda lr: torch.expm1(lr) - lr,
+}
+_REJECT_DEFAULT = {"k1": math.log(2.0), "k2": 0.5 * math.log(2.0) ** 2, "k3": 1.0 - math.log(2.0)}
+
+
+def _rejection(kind: str, level: str) -> Callable:
+    def correction(log_rho, mask, cfg: LossConfig) -> CorrectionResult:
+        threshold = cfg.reject_threshold if cfg.reject_threshold is not None else _REJECT_DEFAULT[kind]
+        inside = mask.bool()
+        d = _DIVERGENCES[kind](log_rho.clamp(-_KL_CLAMP, _KL_CLAMP)).masked_fill(~inside, 0.0)
+        if level == "token":
+            return CorrectionResult(keep=d.abs() <= threshold)
+        if level == "seq-sum":
+            per_seq = seq_sum(d, inside.to(d.dtype))
+        elif level == "seq-mean":
+            per_seq = seq_mean(d, inside.to(d.dtype))
+        else:  # seq-max
+            per_seq = d.abs().amax(-1)
+        return CorrectionResult(keep=(per_seq.abs() <= threshold).unsqueeze(-1).expand_as(inside))
+
+    correction.__doc__ = f"Rejection by {kind} divergence at {level} level (threshold ``reject_threshold``)."
+    return correction
+
+
+for _kind in _DIVERGENCES:
+    for _level in ("token", "seq-sum", "seq-mean", "seq-max"):
+        register_correction(f"reject-{_kind}-{_level}")(_rejection(_kind, _level))
+
+
+# Adaptive importance sampling (AIS): one coefficient lambda in [0, 1] per batch interpolates between the
+# uncorrected gradient (lambda = 0, w = 1) and the fully corrected one (lambda = 1, w = min(rho, C)):
+#   w_t = (1 - lambda) + lambda * min(rho_t, C).
+# lambda combines three batch diagnostics over the unmasked tokens:
+#   severity      S = 1 - exp(-KL3 / kappa), KL3 = mean(rho - 1 - log rho): how much correction is needed
+#                     (kappa = ``ais_kl_scale``, 0.01 nats/token by default);
+#   reliability   R = ESS = mean(rho)^2 / mean(rho^2) in (0, 1]: how much to trust the raw weights;
+#   amplification V = mean(min(rho, C)^2) / mean(min(rho, C))^2 - 1 >= 0: the variance the truncated
+#                     weights add to the gradient.
+#   lambda = clamp(S * (1 + V) / (1 + V * R), 0, 1)
+# Identical policies give S = 0, so lambda = 0 (no correction). A small, well-behaved mismatch (R ~ 1, V ~ 0)
+# gives lambda = S. Wild ratios give S -> 1 and a low R, so lambda -> 1, and when R falls below
+# ``ais_min_ess`` (0.5) the tokens whose rho leaves [1/C, C] are also masked: the weights are then too
+# unreliable to reweight those tokens at all.
+
+
+def ais_coefficients(log_rho, mask, cfg: LossConfig) -> dict[str, torch.Tensor]:
+    """The AIS diagnostics and lambda of a batch (0-dim fp32 tensors): severity, reliability, amplification,
+    lambda. log_rho, mask: [B, T]."""
+    m = mask.bool()
+    if not m.any():
+        zero = torch.zeros((), device=log_rho.device)
+        return {"severity": zero, "reliability": zero + 1, "amplification": zero, "lambda": zero}
+    lr = log_rho.float().clamp(-_KL_CLAMP, _KL_CLAMP)[m]
+    rho = lr.exp()
+    kl3 = (torch.expm1(lr) - lr).mean()
+    severity = 1 - torch.exp(-kl3 / cfg.ais_kl_scale)
+    reliability = rho.mean() ** 2 / (rho * rho).mean()
+    truncated = rho.clamp(max=cfg.correction_cap)
+    amplification = ((truncated * truncated).mean() / truncated.mean() ** 2 - 1).clamp(min=0)
+    lam = (severity * (1 + amplification) / (1 + amplification * reliability)).clamp(0, 1)
+    return {"severity": severity, "reliability": reliability, "amplification": amplification, "lambda": lam}
+
+
+@register_correction("ais")
+def corr_ais(log_rho, mask, cfg: LossConfig) -> CorrectionResult:
+    """Adaptive IS: w_t = (1 - lambda) + lambda * min(rho_t, C), lambda from ``ais_coefficients``."""
+    coef = ais_coefficients(log_rho, mask, cfg)
+    rho = torch.exp(log_rho.float().clamp(-_KL_CLAMP, _KL_CLAMP))
+    weight = (1 - coef["lambda"]) + coef["lambda"] * rho.clamp(max=cfg.correction_cap)
+    keep = None
+    if coef["reliability"] < cfg.ais_min_ess:
+        keep = (rho >= 1 / cfg.correction_cap) & (rho <= cfg.correction_cap)
+    return CorrectionResult(weight=weight, keep=keep)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from bitrl.kernels import policy_loss
+from bitrl.kernels.core_algos import LossConfig, ais_coefficients
 from bitrl.rollout.engine import Rollout
 from bitrl.train.logprobs import token_logprobs
 from bitrl.train.mismatch import mismatch_diagnostics
@@ -87,4 +88,9 @@ class PolicyTrainer:
                 n_updates += 1
         out = {k: v / n_updates for k, v in sums.items()}
         out.update(mismatch_diagnostics(old, rollout.logprobs, mask))
+        if (
+            cfg.correction == "ais"
+        ):  # the batch coefficient the correction applied (old weights, before updates)
+            coef = ais_coefficients(old - rollout.logprobs, mask, LossConfig(**cfg.correction_args))
+            out.update({f"ais_{k}": float(v) for k, v in coef.items()})
         return out
