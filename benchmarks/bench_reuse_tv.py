@@ -13,7 +13,6 @@ checks the engine's empirical distribution against the formula (TV at the sampli
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import sys
 
@@ -24,45 +23,15 @@ LENIENCES = [0.5, 1.0, math.exp(0.5), 2.0, 4.0]
 MODES = [("spec-rl", 0), ("exact", V), ("exact", 1), ("exact", 0)]
 
 
-def tiny_policy(seed=0, scale=0.5):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=EOS,
-    )
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, scale)
-    return model
-
-
-def perturbed(model, sigma, seed=1):
-    new = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * sigma)
-    return new
-
-
 def main(argv=None) -> int:
     from bitrl.rollout.engine import generate
     from bitrl.rollout.reuse_tv import (
         empirical_distribution,
         engine_reuse_sample,
+        enumerable_model,
         fresh_distribution,
         next_token_table,
+        perturbed,
         reuse_distribution,
         sequences,
         total_variation,
@@ -76,7 +45,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     prompt = [1, 3]
-    old = tiny_policy()
+    old = enumerable_model(V, EOS)
     t_old = next_token_table(old, prompt, vocab_size=V, max_new_tokens=LEN, eos_id=EOS)
     seqs = sequences(t_old, V, LEN, EOS)
     p_old = fresh_distribution(t_old, seqs)

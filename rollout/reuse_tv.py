@@ -16,6 +16,7 @@ counts what the engine actually returns, to check the engine against the formula
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter
 
@@ -23,6 +24,41 @@ import torch
 
 from bitrl.rollout.reuse import generate_with_drafts, residual_logprobs
 from bitrl.rollout.sampling import filtered_logprobs
+
+
+def enumerable_model(vocab_size: int = 5, eos_id: int = 2, seed: int = 0, scale: float = 0.5):
+    """A 1-layer Qwen2 with a tiny vocabulary and large random weights: its response distribution over a few
+    tokens can be enumerated exactly and is far from uniform."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=eos_id,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, scale)
+    return model
+
+
+def perturbed(model, sigma: float, seed: int = 1):
+    """A copy of `model` with N(0, sigma^2) added to every weight: a policy one training step away."""
+    new = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * sigma)
+    return new
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""A run killed with SIGKILL and resumed reaches the same metrics at the same step as an uninterrupted run."""
+"""A run killed with SIGKILL and resumed reaches the same metrics at the same step as an uninterrupted run,
+with and without speculative rollout reuse."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-TIMING = {"tokens_per_s", "rollout_time_s", "step_time_s"}
+TIMING = {"tokens_per_s", "rollout_time_s", "step_time_s", "reuse_verify_time_s", "reuse_rollout_time_s"}
 TINY = [
     "model.hidden_size=32",
     "model.intermediate_size=64",
@@ -21,22 +22,32 @@ TINY = [
     "warmstart.target_accuracy=null",
     "rollout.prompts_per_step=4",
     "rollout.group_size=4",
-    "train.lr=1e-3",
-    "steps=40",
     "eval_every=5",
     "checkpoint_every=3",
     "threads=1",
 ]
+PLAIN = [*TINY, "train.lr=1e-3", "steps=40"]
+# With speculative reuse the rollout cache must travel in the checkpoint too.
+REUSE = [
+    *TINY,
+    "rollout.fixed_prompts=8",
+    "rollout.reuse.enabled=true",
+    "rollout.reuse.mode=exact",
+    "rollout.reuse.lenience=1.6487",
+    "rollout.reuse.exact_topk=4",
+    "train.lr=3e-3",
+    "train.entropy_coef=0.05",  # moves the policy even while every reward is 0
+    "steps=24",
+]
 
 
-def _bitrl(args, env, **kw):
+def _bitrl(args, env):
     return subprocess.Popen(
         [sys.executable, "-m", "bitrl", "train", *args],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        **kw,
     )
 
 
@@ -47,12 +58,14 @@ def _records(path):
     ]
 
 
-def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("overrides", [PLAIN, REUSE], ids=["plain", "reuse"])
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, overrides):
+    steps = int(next(o for o in overrides if o.startswith("steps=")).split("=")[1])
     env = dict(os.environ, BITRL_CACHE=str(tmp_path / "cache"))
-    full = _bitrl([*TINY, f"out_dir={tmp_path}", "name=full"], env)
+    full = _bitrl([*overrides, f"out_dir={tmp_path}", "name=full"], env)
     assert full.wait(timeout=300) == 0, full.stderr.read()
 
-    victim = _bitrl([*TINY, f"out_dir={tmp_path}", "name=killed"], env)
+    victim = _bitrl([*overrides, f"out_dir={tmp_path}", "name=killed"], env)
     metrics = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.time() + 300
     # Kill mid-run, between checkpoints: after step 8 was logged (checkpoints are at 3 and 6 by then).
@@ -65,14 +78,19 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     victim.send_signal(signal.SIGKILL)
     assert victim.wait(timeout=60) == -signal.SIGKILL, "the run finished before it could be killed"
     killed_at = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
-    assert killed_at < 40
+    assert killed_at < steps
 
     resumed = _bitrl(["--resume", str(tmp_path / "killed")], env)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
     a, b = _records(tmp_path / "full" / "metrics.jsonl"), _records(metrics)
-    assert [r["step"] for r in b] == list(range(0, 41))  # no step lost, none duplicated
+    assert [r["step"] for r in b] == list(range(0, steps + 1))  # no step lost, none duplicated
     assert a == b
     assert (tmp_path / "killed" / "report.png").stat().st_size > 0
+    if overrides is REUSE:
+        later = [r for r in a if r["step"] > 2]  # from the second epoch on, every prompt has a draft
+        assert all(r["reuse_hit_rate"] == 1.0 for r in later)
+        assert all(r["reuse_tokens_returned"] >= r["reuse_tokens_generated"] for r in later)
+        assert any(r["reuse_tokens_generated"] > 0 for r in later)  # the policy moves: some drafts rejected
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path, capsys):

@@ -19,8 +19,10 @@ from bitrl.rollout.reuse import (
 from bitrl.rollout.reuse_tv import (
     empirical_distribution,
     engine_reuse_sample,
+    enumerable_model,
     fresh_distribution,
     next_token_table,
+    perturbed,
     reuse_distribution,
     sequences,
     total_variation,
@@ -225,42 +227,10 @@ class _ReuseCfg:
 V, LEN, EOS = 5, 3, 2
 
 
-def _enumerable_model(seed=0, scale=0.5):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=EOS,
-    )
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, scale)
-    return model
-
-
-def _perturbed(model, sigma, seed=1):
-    new = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * sigma)
-    return new
-
-
 @pytest.fixture(scope="module")
 def tv_setup():
-    old = _enumerable_model()
-    new = _perturbed(old, 0.2)
+    old = enumerable_model(V, EOS)
+    new = perturbed(old, 0.2)
     prompt = [1, 3]
     t_old = next_token_table(old, prompt, vocab_size=V, max_new_tokens=LEN, eos_id=EOS)
     t_new = next_token_table(new, prompt, vocab_size=V, max_new_tokens=LEN, eos_id=EOS)
