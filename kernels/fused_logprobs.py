@@ -195,9 +195,10 @@ class ChunkEngine:
         z = self.logits(h)
         self._cur = (idx, h, y, inv_t)
         if self.backend == "triton":
-            lp, ent, lse, mz = row_stats_triton(z, y, inv_t, valid, need_ent)
-            self._state = (z, lse, mz)
-            return lp, ent, lse, mz
+            lp, ent, stats = row_stats_triton(z, y, inv_t, valid, need_ent)
+            self._state = (z, stats)
+            m, log_s, ts = stats
+            return lp, ent, m + log_s, m + ts
         if self.scale:
             z.mul_(inv_t.unsqueeze(-1))
         if self.clamp:
@@ -219,8 +220,9 @@ class ChunkEngine:
             pzm = torch.zeros_like(sum_e)
             ent = None
             self._state = ("noent", z, sum_e)
-        lse = m + torch.log(sum_e)
-        lp = zy - lse
+        log_s = torch.log(sum_e)
+        lse = m + log_s
+        lp = (zy - m) - log_s  # relative to the max: no rounding at the magnitude of the logits
         zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
         lp = torch.where(valid, lp, zero)
         if ent is not None:
@@ -232,9 +234,9 @@ class ChunkEngine:
         _, _, y, inv_t = self._cur
         g_lp = g_lp.to(self.acc)
         if self.backend == "triton":
-            z, lse, mz = self._state
+            z, stats = self._state
             out = None if self.dzbuf is None else self.dzbuf[: z.shape[0]]
-            return row_grad_triton(z, y, inv_t, lse, mz, g_lp, g_ent, out=out)
+            return row_grad_triton(z, y, inv_t, stats, g_lp, g_ent, out=out)
         if self._state[0] == "ent":
             _, zm, p, sum_e, pzm = self._state
             p.mul_((1.0 / sum_e).unsqueeze(-1))
@@ -297,11 +299,14 @@ if HAS_TRITON:
         VALID,
         LP,
         ENT,
-        LSE,
-        MZ,
+        MAX,
+        LOGS,
+        TS,
         V,
         BLOCK_V: tl.constexpr,
     ):
+        # Online log-sum-exp over vocabulary tiles, all relative to the running max m for accuracy:
+        # s = sum exp(z - m), t = sum exp(z - m) (z - m); lp = (z_y - m) - log s, H = log s - t / s.
         row = tl.program_id(0).to(tl.int64)
         z_row = Z + row * stride_z
         y = tl.load(Y + row)
@@ -319,19 +324,21 @@ if HAS_TRITON:
             z = tl.where(inb, tl.maximum(z, neg), neg)
             m_new = tl.maximum(m, tl.max(z, axis=0))
             scale = tl.exp(m - m_new)
-            e = tl.where(inb, tl.exp(z - m_new), 0.0)
+            zc = z - m_new
+            e = tl.where(inb, tl.exp(zc), 0.0)
+            t = scale * (t + s * (m - m_new)) + tl.sum(e * zc, axis=0)
             s = s * scale + tl.sum(e, axis=0)
-            t = t * scale + tl.sum(e * z, axis=0)
             zy += tl.sum(tl.where(cols == y, z, 0.0), axis=0)
             m = m_new
-        lse = m + tl.log(s)
-        mz = t / s
-        lp = tl.where(valid != 0, zy - lse, 0.0)
-        ent = tl.where(valid != 0, lse - mz, 0.0)
+        log_s = tl.log(s)
+        ts = t / s
+        lp = tl.where(valid != 0, (zy - m) - log_s, 0.0)
+        ent = tl.where(valid != 0, log_s - ts, 0.0)
         tl.store(LP + row, lp)
         tl.store(ENT + row, ent)
-        tl.store(LSE + row, lse)
-        tl.store(MZ + row, mz)
+        tl.store(MAX + row, m)
+        tl.store(LOGS + row, log_s)
+        tl.store(TS + row, ts)
 
     @triton.jit
     def _logprob_rows_bwd_kernel(
@@ -341,8 +348,9 @@ if HAS_TRITON:
         stride_dz,
         INV_T,
         Y,
-        LSE,
-        MZ,
+        MAX,
+        LOGS,
+        TS,
         GLP,
         GENT,
         V,
@@ -354,21 +362,22 @@ if HAS_TRITON:
         dz_row = DZ + row * stride_dz
         y = tl.load(Y + row)
         inv_t = tl.load(INV_T + row)
-        lse = tl.load(LSE + row)
+        m = tl.load(MAX + row)
+        log_s = tl.load(LOGS + row)
         g_lp = tl.load(GLP + row)
         if HAS_GENT:
             g_ent = tl.load(GENT + row)
-            mz = tl.load(MZ + row)
+            ts = tl.load(TS + row)
         neg = -1.0e30
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             inb = cols < V
             z = tl.load(z_row + cols, mask=inb, other=0.0).to(tl.float32) * inv_t
-            z = tl.maximum(z, neg)
-            p = tl.exp(z - lse)
+            zc = tl.maximum(z, neg) - m
+            p = tl.exp(zc - log_s)
             dz = -g_lp * p
             if HAS_GENT:
-                dz -= g_ent * p * (z - mz)
+                dz -= g_ent * p * (zc - ts)
             dz += tl.where(cols == y, g_lp, 0.0)
             dz = dz * inv_t
             tl.store(dz_row + cols, dz.to(DZ.dtype.element_ty), mask=inb)
@@ -382,12 +391,14 @@ def _block_v(V: int) -> int:
 
 
 def row_stats_triton(z, y, inv_t, valid, need_ent):
+    """(lp [c], entropy [c] | None, stats) of the rows of z * inv_t; stats feed ``row_grad_triton``."""
     c, V = z.shape
     acc = torch.float64 if z.dtype == torch.float64 else torch.float32
     lp = torch.empty(c, device=z.device, dtype=acc)
     ent = torch.empty_like(lp)
-    lse = torch.empty_like(lp)
-    mz = torch.empty_like(lp)
+    m = torch.empty(c, device=z.device, dtype=torch.float32)
+    log_s = torch.empty_like(m)
+    ts = torch.empty_like(m)
     if c:
         _logprob_rows_fwd_kernel[(c,)](
             z,
@@ -397,16 +408,21 @@ def row_stats_triton(z, y, inv_t, valid, need_ent):
             valid.to(torch.int8).contiguous(),
             lp,
             ent,
-            lse,
-            mz,
+            m,
+            log_s,
+            ts,
             V,
             BLOCK_V=_block_v(V),
         )
-    return lp, (ent if need_ent else None), lse, mz
+    return lp, (ent if need_ent else None), (m, log_s, ts)
 
 
-def row_grad_triton(z, y, inv_t, lse, mz, g_lp, g_ent, out=None):
-    """d loss / d logits, written into ``out`` (any float dtype, e.g. bf16 for the next matmuls) or ``z``."""
+def row_grad_triton(z, y, inv_t, stats, g_lp, g_ent, out=None):
+    """d loss / d logits, written into ``out`` (any float dtype, e.g. bf16 for the next matmuls) or ``z``.
+
+    ``stats`` = (row max, log sum exp(z - max), E_p[z - max]) from ``row_stats_triton``.
+    """
+    m, log_s, ts = stats
     c, V = z.shape
     out = z if out is None else out
     if c:
@@ -417,8 +433,9 @@ def row_grad_triton(z, y, inv_t, lse, mz, g_lp, g_ent, out=None):
             out.stride(0),
             inv_t.to(torch.float32).contiguous(),
             y.contiguous(),
-            lse.to(torch.float32).contiguous(),
-            mz.to(torch.float32).contiguous(),
+            m.contiguous(),
+            log_s.contiguous(),
+            ts.contiguous(),
             g_lp.to(torch.float32).contiguous(),
             (g_ent if g_ent is not None else g_lp).to(torch.float32).contiguous(),
             V,
