@@ -118,6 +118,8 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = Field(1.0, gt=0)
+    # Trainer forward precision on top of model.dtype weights: fp16 adds dynamic loss scaling.
+    autocast: Literal["none", "bf16", "fp16"] = "none"
     updates_per_batch: int = Field(2, ge=1)  # optimizer passes over each rollout batch (PPO epochs)
     minibatches: int = Field(1, ge=1)  # optimizer steps per pass
     advantage: str = "grpo"

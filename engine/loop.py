@@ -68,6 +68,8 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
         state = load_checkpoint(run_dir)
         policy.load_state_dict(state["policy"])
         trainer.optimizer.load_state_dict(state["optimizer"])
+        if trainer.scaler is not None:
+            trainer.scaler.load_state_dict(state["scaler"])
         sampler.set_state(state["sampler"])
         data_rng.setstate(state["data_rng"])
         set_rng_state(state["rng"])
@@ -151,6 +153,7 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
                     "step": step + 1,
                     "policy": policy.state_dict(),
                     "optimizer": trainer.optimizer.state_dict(),
+                    "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
                     "sampler": sampler.get_state(),
                     "data_rng": data_rng.getstate(),
                     "rng": rng_state(),

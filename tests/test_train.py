@@ -26,7 +26,8 @@ def test_other_advantages():
         compute_advantages("grpo", r[0])
 
 
-def test_trainer_step_moves_probability_toward_positive_advantages(tiny_qwen):
+@pytest.mark.parametrize("autocast", ["none", "bf16", "fp16"])
+def test_trainer_step_moves_probability_toward_positive_advantages(tiny_qwen, autocast):
     """One PolicyTrainer update raises the log-likelihood of rewarded responses relative to the others."""
     from types import SimpleNamespace
 
@@ -48,6 +49,7 @@ def test_trainer_step_moves_probability_toward_positive_advantages(tiny_qwen):
         clip_ratio_c=None,
         correction="none",
         correction_args={},
+        autocast=autocast,
         entropy_coef=0.0,
     )
     rollout = generate(
@@ -69,4 +71,9 @@ def test_trainer_step_moves_probability_toward_positive_advantages(tiny_qwen):
     assert delta[advantages > 0].mean() > delta[advantages < 0].mean() + 0.1
     for key in ("loss", "entropy", "grad_norm", "clipfrac", "mismatch_k3_kl"):
         assert key in metrics and math.isfinite(metrics[key])
-    assert metrics["mismatch_k3_kl"] < 1e-8  # rollout and trainer share weights and precision
+    if autocast == "none":
+        assert metrics["mismatch_k3_kl"] < 1e-8  # rollout and trainer share weights and precision
+    else:
+        assert 0 < metrics["mismatch_k3_kl"] < 1e-2  # a half-precision trainer forward vs an fp32 rollout
+    if autocast == "fp16":
+        assert trainer.scaler.get_scale() > 0

@@ -36,11 +36,22 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(
             policy.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
         )
+        # Mixed precision: the weights and the optimizer stay in the model's dtype, the forward runs under
+        # autocast; fp16 also scales the loss so that small gradients do not flush to zero.
+        self.device_type = next(policy.parameters()).device.type
+        self.autocast = getattr(cfg, "autocast", "none")
+        self.scaler = torch.amp.GradScaler(self.device_type) if self.autocast == "fp16" else None
+
+    def forward(self, rollout: Rollout, with_entropy: bool = True):
+        """(logprobs, entropy) of the rollout's tokens under the policy, in the trainer's precision."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.autocast)
+        with torch.autocast(self.device_type, dtype=dtype, enabled=dtype is not None):
+            return token_logprobs(self.policy, rollout, self.temperature, with_entropy=with_entropy)
 
     @torch.no_grad()
     def old_logprobs(self, rollout: Rollout) -> torch.Tensor:
         """Log-probs of the sampled tokens under the current weights, before any update: [B, R] fp32."""
-        return token_logprobs(self.policy, rollout, self.temperature, with_entropy=False)[0]
+        return self.forward(rollout, with_entropy=False)[0]
 
     def step(self, rollout: Rollout, advantages: torch.Tensor) -> dict[str, float]:
         """advantages: [B] fp32, one per response. Returns averaged metrics of the update."""
@@ -54,7 +65,7 @@ class PolicyTrainer:
         for _ in range(cfg.updates_per_batch):
             for rows in torch.arange(batch).chunk(cfg.minibatches):
                 part = rollout_rows(rollout, rows)
-                logprobs, entropy = token_logprobs(self.policy, part, self.temperature)
+                logprobs, entropy = self.forward(part)
                 loss, metrics = policy_loss(
                     logprobs,
                     old[rows],
@@ -74,9 +85,16 @@ class PolicyTrainer:
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"non-finite policy loss {loss.item()} at update {n_updates}")
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
-                self.optimizer.step()
+                if self.scaler is None:
+                    loss.backward()
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+                    self.optimizer.step()
+                else:  # fp16: an overflowing step is skipped and the scale lowered
+                    self.scaler.scale(loss).backward()
+                    self.scaler.unscale_(self.optimizer)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+                    self.scaler.step(self.optimizer)
+                    self.scaler.update()
                 fmask = part.response_mask.float()
                 metrics = {k: float(v) for k, v in metrics.items() if k in LOGGED_LOSS_METRICS} | {
                     "loss": loss.item(),
