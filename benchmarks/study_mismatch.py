@@ -1,7 +1,11 @@
 """Study: held-out accuracy and rollout/trainer mismatch on the demo task, for each rollout precision and
 mismatch correction, over several seeds.
 
-    python benchmarks/study_mismatch.py --steps 150 --seeds 0 1 --out runs/study
+    python benchmarks/study_mismatch.py --steps 100 --seeds 0 1 2 --out runs/study
+    # or split over processes, then one table:
+    python benchmarks/study_mismatch.py --precisions full fp8 --threads 1 --out runs/study/a &
+    python benchmarks/study_mismatch.py --precisions mxfp4 nvfp4 --threads 1 --out runs/study/b
+    python benchmarks/study_mismatch.py --merge runs/study/a runs/study/b --out runs/study
 
 Writes <out>/study.json (every run's summary) and <out>/study.md (the table for the README). Every run of
 a seed starts from the same cached warm start, so the columns differ only in rollout precision and correction.
@@ -87,11 +91,23 @@ def main() -> None:
     )
     parser.add_argument("--precisions", nargs="+", default=["full", "fp8", "mxfp4", "nvfp4"])
     parser.add_argument("--corrections", nargs="+", default=list(PRESETS), choices=list(PRESETS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--out", default="runs/study")
+    parser.add_argument(
+        "--merge", nargs="+", metavar="DIR", help="only tabulate the study.json of these folders"
+    )
     args = parser.parse_args()
+    if args.merge:
+        results = [r for d in args.merge for r in json.loads((Path(d) / "study.json").read_text())]
+        precisions = list(dict.fromkeys(r["precision"] for r in results))
+        corrections = list(dict.fromkeys(r["correction"] for r in results))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "study.json").write_text(json.dumps(results, indent=1))
+        (Path(args.out) / "study.md").write_text(table(results, precisions, corrections) + "\n")
+        print(table(results, precisions, corrections))
+        return
     from bitrl.kernels import CORRECTIONS
 
     corrections = [c for c in args.corrections if PRESETS[c][0] in CORRECTIONS]
