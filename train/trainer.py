@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from bitrl.kernels import policy_loss
+from bitrl.kernels import fused_linear_policy_loss
 from bitrl.kernels.core_algos import LossConfig, ais_coefficients
 from bitrl.rollout.engine import Rollout
-from bitrl.train.logprobs import token_logprobs
+from bitrl.train.logprobs import response_hidden_states, token_logprobs
 from bitrl.train.mismatch import mismatch_diagnostics
 
 # Loss metrics worth a column in metrics.jsonl; rollout/trainer mismatch is logged once per batch below.
@@ -18,6 +18,7 @@ LOGGED_LOSS_METRICS = (
     "ratio_mean",
     "ratio_max",
     "is_weight_mean",
+    "entropy",
 )
 
 
@@ -42,10 +43,14 @@ class PolicyTrainer:
         self.autocast = getattr(cfg, "autocast", "none")
         self.scaler = torch.amp.GradScaler(self.device_type) if self.autocast == "fp16" else None
 
+    def precision(self):
+        """The trainer's forward precision: autocast to bf16/fp16, or a no-op."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.autocast)
+        return torch.autocast(self.device_type, dtype=dtype, enabled=dtype is not None)
+
     def forward(self, rollout: Rollout, with_entropy: bool = True):
         """(logprobs, entropy) of the rollout's tokens under the policy, in the trainer's precision."""
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.autocast)
-        with torch.autocast(self.device_type, dtype=dtype, enabled=dtype is not None):
+        with self.precision():
             return token_logprobs(self.policy, rollout, self.temperature, with_entropy=with_entropy)
 
     @torch.no_grad()
@@ -65,12 +70,22 @@ class PolicyTrainer:
         for _ in range(cfg.updates_per_batch):
             for rows in torch.arange(batch).chunk(cfg.minibatches):
                 part = rollout_rows(rollout, rows)
-                logprobs, entropy = self.forward(part)
-                loss, metrics = policy_loss(
-                    logprobs,
+                # LM head, log-probs, entropy and loss in one op: no [tokens, vocab] logits, and the
+                # gradient is formed in the forward pass (one matmul fewer than log-probs then loss).
+                with self.precision():
+                    hidden = response_hidden_states(self.policy, part)
+                head = self.policy.get_output_embeddings()
+                bias = getattr(head, "bias", None)
+                loss, metrics = fused_linear_policy_loss(
+                    hidden,
+                    head.weight.to(hidden.dtype),
+                    part.response_ids,
                     old[rows],
                     advantages[rows],
                     part.response_mask,
+                    bias=None if bias is None else bias.to(hidden.dtype),
+                    temperature=self.temperature,
+                    compute_entropy=True,
                     loss_type=cfg.loss_type,
                     loss_agg_mode=cfg.aggregation,
                     eps_low=cfg.clip_eps_low,
@@ -79,7 +94,6 @@ class PolicyTrainer:
                     rollout_logprobs=part.logprobs,
                     correction=cfg.correction,
                     **cfg.correction_args,
-                    entropy=entropy,
                     entropy_coef=cfg.entropy_coef,
                 )
                 if not torch.isfinite(loss):
@@ -95,11 +109,9 @@ class PolicyTrainer:
                     grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
                     self.scaler.step(self.optimizer)
                     self.scaler.update()
-                fmask = part.response_mask.float()
                 metrics = {k: float(v) for k, v in metrics.items() if k in LOGGED_LOSS_METRICS} | {
                     "loss": loss.item(),
                     "grad_norm": grad_norm.item(),
-                    "entropy": float((entropy.detach() * fmask).sum() / fmask.sum().clamp(min=1)),
                 }
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
