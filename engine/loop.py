@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -68,8 +67,7 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
         state = load_checkpoint(run_dir)
         policy.load_state_dict(state["policy"])
         trainer.optimizer.load_state_dict(state["optimizer"])
-        if trainer.scaler is not None:
-            trainer.scaler.load_state_dict(state["scaler"])
+        trainer.scaler.load_state_dict(state["scaler"])
         sampler.set_state(state["sampler"])
         data_rng.setstate(state["data_rng"])
         set_rng_state(state["rng"])
@@ -153,7 +151,7 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
                     "step": step + 1,
                     "policy": policy.state_dict(),
                     "optimizer": trainer.optimizer.state_dict(),
-                    "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
+                    "scaler": trainer.scaler.state_dict(),
                     "sampler": sampler.get_state(),
                     "data_rng": data_rng.getstate(),
                     "rng": rng_state(),
@@ -175,10 +173,3 @@ def summarize(records: list[dict]) -> dict:
         "steps": records[-1]["step"],
         "train_time_s": sum(r.get("step_time_s", 0.0) for r in records),
     }
-
-
-def config_from_run(run_dir: str | Path) -> Config:
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} holds no config.json; is it a bitrl run directory?")
-    return Config.model_validate_json(path.read_text())

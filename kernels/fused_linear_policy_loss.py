@@ -586,11 +586,10 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         )
         self.last_metrics = metrics
         out = []
+        n = attention_mask.to(torch.float32).sum().clamp(min=1.0)
         if self.beta != 0.0:
-            n = attention_mask.to(torch.float32).sum().clamp(min=1.0)
             kl = metrics.get("kl", torch.zeros((), device=loss.device))
             # Liger normalises by the attention-mask count; bitrl's "kl" is over the loss tokens
             out.append(kl * metrics["n_tokens"] / n)
-        n = attention_mask.to(torch.float32).sum().clamp(min=1.0)
         out.append(metrics["clipfrac"] * metrics["n_tokens"] / n)
         return loss, tuple(out)

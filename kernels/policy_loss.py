@@ -569,19 +569,7 @@ def evaluate_triton(lp: torch.Tensor, ent: torch.Tensor | None, plan: Plan, rows
         s = torch.zeros(_NPART, dtype=f32, device=dev)
         rmin = torch.tensor(3.0e38, device=dev)
         rmax = torch.tensor(-3.0e38, device=dev)
-    keys = (
-        "pg",
-        "kl_term",
-        "ent_term",
-        "n",
-        "clip_low",
-        "clip_high",
-        "clip_dual",
-        "ratio_sum",
-        "kl_sum",
-        "ent_sum",
-    )
-    parts = {k: s[i] for i, k in enumerate(keys)}
+    parts = {k: s[i] for i, k in enumerate(_SUM_KEYS)}
     parts["ratio_min"], parts["ratio_max"] = rmin, rmax
     loss = parts["pg"]
     if plan.ref is not None and plan.kl_coef:

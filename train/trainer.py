@@ -41,7 +41,8 @@ class PolicyTrainer:
         # autocast; fp16 also scales the loss so that small gradients do not flush to zero.
         self.device_type = next(policy.parameters()).device.type
         self.autocast = getattr(cfg, "autocast", "none")
-        self.scaler = torch.amp.GradScaler(self.device_type) if self.autocast == "fp16" else None
+        # A disabled GradScaler passes everything through, so fp32/bf16 take the same code path.
+        self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.autocast == "fp16")
 
     def precision(self):
         """The trainer's forward precision: autocast to bf16/fp16, or a no-op."""
@@ -99,16 +100,12 @@ class PolicyTrainer:
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"non-finite policy loss {loss.item()} at update {n_updates}")
                 self.optimizer.zero_grad(set_to_none=True)
-                if self.scaler is None:
-                    loss.backward()
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
-                    self.optimizer.step()
-                else:  # fp16: an overflowing step is skipped and the scale lowered
-                    self.scaler.scale(loss).backward()
-                    self.scaler.unscale_(self.optimizer)
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
-                    self.scaler.step(self.optimizer)
-                    self.scaler.update()
+                # fp16: an overflowing step is skipped and the scale lowered
+                self.scaler.scale(loss).backward()
+                self.scaler.unscale_(self.optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
                 metrics = {k: float(v) for k, v in metrics.items() if k in LOGGED_LOSS_METRICS} | {
                     "loss": loss.item(),
                     "grad_norm": grad_norm.item(),
@@ -118,9 +115,8 @@ class PolicyTrainer:
                 n_updates += 1
         out = {k: v / n_updates for k, v in sums.items()}
         out.update(mismatch_diagnostics(old, rollout.logprobs, mask))
-        if (
-            cfg.correction == "ais"
-        ):  # the batch coefficient the correction applied (old weights, before updates)
+        # AIS: log the batch coefficient the correction applied (old weights, before the updates)
+        if cfg.correction == "ais":
             coef = ais_coefficients(old - rollout.logprobs, mask, LossConfig(**cfg.correction_args))
             out.update({f"ais_{k}": float(v) for k, v in coef.items()})
         return out
