@@ -378,7 +378,7 @@ def corr_tis_token(log_rho, mask, cfg: LossConfig) -> CorrectionResult:
     return CorrectionResult(weight=torch.exp(log_rho.clamp(max=_KL_CLAMP)).clamp(max=cfg.correction_cap))
 
 
-@register_correction("tis-seq")
+@register_correction("tis-seq", "seq-tis")
 def corr_tis_seq(log_rho, mask, cfg: LossConfig) -> CorrectionResult:
     """Truncated IS per sequence: w = min(prod_t rho_t, C), broadcast to the tokens."""
     log_seq = seq_sum(log_rho, mask).clamp(max=_KL_CLAMP)
@@ -387,7 +387,7 @@ def corr_tis_seq(log_rho, mask, cfg: LossConfig) -> CorrectionResult:
     )
 
 
-@register_correction("mask-token")
+@register_correction("mask-token", "token-mis")
 def corr_mask_token(log_rho, mask, cfg: LossConfig) -> CorrectionResult:
     """Drop tokens whose rho_t leaves [low, high] (default 0.5 - 2.0)."""
     lo, hi = _bounds(cfg, 0.5, 2.0)
@@ -395,7 +395,7 @@ def corr_mask_token(log_rho, mask, cfg: LossConfig) -> CorrectionResult:
     return CorrectionResult(keep=(rho >= lo) & (rho <= hi))
 
 
-@register_correction("mask-seq")
+@register_correction("mask-seq", "seq-mis")
 def corr_mask_seq(log_rho, mask, cfg: LossConfig) -> CorrectionResult:
     """Drop sequences whose prod_t rho_t leaves [low, high] (default 0.5 - 2.0)."""
     lo, hi = _bounds(cfg, 0.5, 2.0)
@@ -404,7 +404,7 @@ def corr_mask_seq(log_rho, mask, cfg: LossConfig) -> CorrectionResult:
     return CorrectionResult(keep=keep.unsqueeze(-1).expand_as(mask))
 
 
-@register_correction("mask-geo")
+@register_correction("mask-geo", "geo-mis")
 def corr_mask_geo(log_rho, mask, cfg: LossConfig) -> CorrectionResult:
     """Drop sequences whose geometric-mean ratio exp(mean_t log rho_t) leaves [low, high] (0.999 - 1.001)."""
     lo, hi = _bounds(cfg, 0.999, 1.001)

@@ -42,6 +42,29 @@ def test_sequence_rejection_sum_mean_max():
     assert keep.tolist() == [[False] * 3, [True] * 3]
 
 
+def test_presets_carry_the_usual_defaults():
+    # Preset names are the registered corrections with the papers' defaults (DESIGN.md).
+    assert CORRECTIONS["tis"] is CORRECTIONS["tis-token"]
+    assert CORRECTIONS["seq-tis"] is CORRECTIONS["tis-seq"]
+    assert CORRECTIONS["token-mis"] is CORRECTIONS["mask-token"]
+    assert CORRECTIONS["seq-mis"] is CORRECTIONS["mask-seq"]
+    assert CORRECTIONS["geo-mis"] is CORRECTIONS["mask-geo"]
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    # TIS caps rho at 2
+    weight = CORRECTIONS["tis"](torch.tensor([[math.log(3.0), math.log(0.5)]]), mask, LossConfig()).weight
+    assert torch.allclose(weight, torch.tensor([[2.0, 0.5]]))
+    # sequence MIS keeps products of rho in [0.5, 2]: 1.3 * 1.5 = 1.95 stays, 1.5 * 1.5 = 2.25 goes
+    log_rho = torch.tensor([[1.3, 1.5], [1.5, 1.5]]).log()
+    assert _keep("seq-mis", log_rho, mask.expand(2, 2))[:, 0].tolist() == [True, False]
+    # geometric MIS keeps geometric means in [0.999, 1.001]
+    log_rho = torch.tensor([[0.0005, -0.0005], [0.002, 0.0]])
+    assert _keep("geo-mis", log_rho, mask.expand(2, 2))[:, 0].tolist() == [True, False]
+    # IcePop weights rho inside [0.5, 5] and zeroes the rest
+    rho = torch.tensor([[0.4, 4.9]])
+    weight = CORRECTIONS["icepop"](rho.log(), mask, LossConfig()).weight
+    assert torch.allclose(weight, torch.tensor([[0.0, 4.9]]))
+
+
 def test_ais_identical_policies_need_no_correction():
     log_rho, mask = torch.zeros(3, 5), torch.ones(3, 5, dtype=torch.bool)
     coef = ais_coefficients(log_rho, mask, LossConfig())
