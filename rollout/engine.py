@@ -59,6 +59,33 @@ def left_pad(sequences: list[list[int]], pad_id: int, device=None):
 
 
 @torch.no_grad()
+def prefill_distinct(model, prompts: list[list[int]], pad_id: int):
+    """Prefill each distinct prompt once (the G samples of a GRPO group share one), with a fresh KV cache.
+
+    Returns (cache, last_logits [U, V], ids [U, P] int64 left-padded, mask [U, P] bool, row_of [B] int64):
+    U distinct prompts in order of first appearance; row_of[b] is the distinct prompt of row b. Expand with
+    `cache.batch_select_indices(row_of)` (or a selection derived from it) before decoding per row.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    index: dict = {}
+    row_of = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    ids, mask = left_pad([list(p) for p in index], pad_id, device)
+    attn = mask.long()
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=ids,
+        attention_mask=attn,
+        position_ids=position_ids_from_mask(attn),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return cache, out.logits[:, -1], ids, mask, torch.tensor(row_of, dtype=torch.long, device=device)
+
+
+@torch.no_grad()
 def generate(
     model,
     prompts: list[list[int]],
@@ -74,31 +101,25 @@ def generate(
     """Sample up to `max_new_tokens` tokens after each prompt, stopping a row at `eos_id`.
 
     model: a Hugging Face causal LM (anything whose forward takes input_ids, attention_mask, position_ids,
-    cache, use_cache and returns .logits and .cache). Deterministic for a given `generator` state.
+    cache, use_cache and returns .logits and .cache). Repeated prompts are prefilled once. Deterministic for
+    a given `generator` state.
     """
-    from transformers import DynamicCache
-
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    device = next(model.parameters()).device
-    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
-    batch = prompt_ids.shape[0]
-    cache = DynamicCache(config=model.config)
+    if not prompts:
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    cache, logits, ids, mask, row_of = prefill_distinct(model, prompts, pad_id)
+    if len(ids) != len(prompts):
+        cache.batch_select_indices(row_of)
+    prompt_ids, prompt_mask, logits = ids[row_of], mask[row_of], logits[row_of]
+    batch, device = prompt_ids.shape[0], prompt_ids.device
     attn = prompt_mask.long()
-    out = model(
-        input_ids=prompt_ids,
-        attention_mask=attn,
-        position_ids=position_ids_from_mask(attn),
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
     next_pos = attn.sum(-1, keepdim=True)
     tokens, logps, alive_cols = [], [], []
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
         tok, lp = sample_tokens(
-            out.logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
         )
         tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
         tokens.append(tok)
@@ -111,6 +132,7 @@ def generate(
         out = model(
             input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos, cache=cache, use_cache=True
         )
+        logits = out.logits[:, -1]
         next_pos = next_pos + 1
     return Rollout(
         prompt_ids=prompt_ids,

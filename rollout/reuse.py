@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bitrl.rollout.engine import Rollout, left_pad, position_ids_from_mask
+from bitrl.rollout.engine import Rollout, prefill_distinct
 from bitrl.rollout.sampling import filtered_logprobs
 
 MODES = ("spec-rl", "exact")
@@ -281,8 +281,6 @@ def generate_with_drafts(
     tokens that `generate` produces for the prompts extended by their accepted prefixes (spec-rl mode, or
     rows that were not rejected).
     """
-    from transformers import DynamicCache
-
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if temperature <= 0:
@@ -300,33 +298,21 @@ def generate_with_drafts(
     n = torch.tensor([len(t) for t in draft_tokens], dtype=torch.long, device=device)
     width_d = int(n.max())
     # Rows of a group share their prompt, and often their whole draft: compute each distinct one once.
-    prompt_index: dict = {}
+    cache, last_logits, p_ids, p_mask, prompt_rows = prefill_distinct(model, prompts, pad_id)
+    u_of_row = prompt_rows.tolist()
     seq_index: dict = {}
-    u_of_row, s_of_row, u_of_seq, seq_drafts = [], [], [], []
-    for p, t in zip(prompts, draft_tokens):
-        u = prompt_index.setdefault(tuple(p), len(prompt_index))
+    s_of_row, u_of_seq, seq_drafts = [], [], []
+    for u, t in zip(u_of_row, draft_tokens):
         s = seq_index.setdefault((u, tuple(t)), len(seq_index))
         if s == len(u_of_seq):
             u_of_seq.append(u)
             seq_drafts.append(t)
-        u_of_row.append(u)
         s_of_row.append(s)
-    uniq_prompts = [list(p) for p in prompt_index]
-    p_ids, p_mask = left_pad(uniq_prompts, pad_id, device)
     p_attn = p_mask.long()
     p_len = p_attn.sum(-1)
-    cache = DynamicCache(config=model.config)
-    out = model(
-        input_ids=p_ids,
-        attention_mask=p_attn,
-        position_ids=position_ids_from_mask(p_attn),
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
     seq_u = torch.tensor(u_of_seq, dtype=torch.long, device=device)
-    logits = out.logits[:, -1:][seq_u]  # [S, 1, V]: predicts response position 0
-    if len(u_of_seq) != len(uniq_prompts):
+    logits = last_logits[:, None][seq_u]  # [S, 1, V]: predicts response position 0
+    if len(u_of_seq) != len(p_ids):
         cache.batch_select_indices(seq_u)
     attn_seq = p_attn[seq_u]
     if width_d > 0:
@@ -391,7 +377,7 @@ def generate_with_drafts(
         # Mask each row's rejected draft columns (those after its accepted prefix).
         steps = torch.arange(attn.shape[1] - prompt_width, device=device)[None, :]
         attn[:, prompt_width:] = (steps < a_acc[:, None]).long()
-        pos = p_len[torch.tensor(u_of_row, device=device)[active]] + a_acc
+        pos = p_len[prompt_rows[active]] + a_acc
         logp = logp_new[active, a_acc]  # [A, V] the distribution at the resume position
         if mode == "exact" and bool(rejected[active].any()):
             logp = _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, keep_topk, device)
@@ -453,7 +439,6 @@ def generate_with_drafts(
 
     response_ids = splice(drafted, cont_tok, pad_id)
     logprobs = splice(new_lp_drafted.float(), cont_lp, 0.0)
-    prompt_rows = torch.tensor(u_of_row, dtype=torch.long, device=device)
     rollout = Rollout(p_ids[prompt_rows], p_mask[prompt_rows], response_ids, response_mask, logprobs)
 
     # ---- 5. the returned responses are next epoch's drafts
@@ -469,7 +454,7 @@ def generate_with_drafts(
             c_top[active] = torch.stack([t[1] for t in cont_top], 1)
         top_ids = splice(acc_ids, c_ids, 0).cpu()
         top_lp = splice(acc_top, c_top, float("-inf")).cpu()
-    hashes = [prompt_fingerprint(p) for p in uniq_prompts]
+    hashes = [prompt_fingerprint(p) for p in prompts]
     ids_cpu, lps_cpu = response_ids.cpu(), logprobs.cpu()
     new_drafts = [
         Draft(
@@ -477,7 +462,7 @@ def generate_with_drafts(
             logprobs=lps_cpu[b, :length].clone(),
             top_ids=None if top_ids is None else top_ids[b, :length].clone(),
             top_logprobs=None if top_lp is None else top_lp[b, :length].clone(),
-            prompt_hash=hashes[u_of_row[b]],
+            prompt_hash=hashes[b],
         )
         for b, length in enumerate(lengths)
     ]

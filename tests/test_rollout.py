@@ -64,6 +64,34 @@ def test_rollout_logprobs_equal_a_full_forward(tiny_qwen, temperature):
     torch.testing.assert_close(r.logprobs[m], full[m], atol=2e-5, rtol=1e-5)
 
 
+def test_grouped_prompts_are_prefilled_once_and_sampled_independently(tiny_qwen):
+    """GRPO groups repeat each prompt G times: one prefill per distinct prompt, independent samples per row,
+    and the same log-probs as a full forward over each row."""
+    grouped = [p for p in _prompts() for _ in range(4)]
+    calls = []
+    hook = tiny_qwen.register_forward_pre_hook(
+        lambda m, a, k: calls.append(k["input_ids"].shape), with_kwargs=True
+    )
+    try:
+        r = generate(
+            tiny_qwen,
+            grouped,
+            max_new_tokens=10,
+            eos_id=2,
+            pad_id=0,
+            generator=torch.Generator().manual_seed(3),
+        )
+    finally:
+        hook.remove()
+    assert calls[0][0] == 3 and all(shape[0] == 12 for shape in calls[1:])
+    assert r.prompt_ids.shape[0] == 12 and torch.equal(r.prompt_ids[0], r.prompt_ids[3])
+    assert len({tuple(row.tolist()) for row in r.response_ids[:4]}) > 1  # a group's samples differ
+    with torch.no_grad():
+        full, _ = token_logprobs(tiny_qwen, r)
+    m = r.response_mask
+    torch.testing.assert_close(r.logprobs[m], full[m], atol=2e-5, rtol=1e-5)
+
+
 def test_rollout_logprobs_with_top_k_top_p_match_the_filtered_full_forward(tiny_qwen):
     g = torch.Generator().manual_seed(2)
     r = generate(
