@@ -164,9 +164,7 @@ def main() -> None:
             for correction in args.corrections:
                 if (precision, correction, seed) in done:
                     continue
-                result = run_one(
-                    precision, correction, seed, args.steps, out, args.threads, args.eval_every
-                )
+                result = run_one(precision, correction, seed, args.steps, out, args.threads, args.eval_every)
                 print(json.dumps(result), flush=True)
                 results.append(result)
                 results_path.write_text(json.dumps(results, indent=1))  # resumable: finished runs are kept
