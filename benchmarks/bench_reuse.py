@@ -110,6 +110,7 @@ def run_arm(name, arm, seed, args, out: Path) -> dict:
         "accuracy_end": evals[-1],
         "accuracy_per_epoch": evals,
         "reward_later": statistics.fmean(r["reward_mean"] for r in steps[steps_per_epoch:]),
+        "flat_groups_later": statistics.fmean(r["flat_group_frac"] for r in steps[steps_per_epoch:]),
         "wall_s": wall,
     }
     if "reuse_hit_rate" in steps[-1]:
@@ -132,9 +133,9 @@ def table(rows: list[dict]) -> str:
     lines = [
         "| arm | rollout CPU s / epoch, epoch 1 | rollout CPU s / epoch, epochs 2+ | CPU speedup epochs 2+ "
         "| wall speedup epochs 2+ | sequential forwards / rollout, epochs 2+ "
-        "| held-out acc (start -> end) | generated / returned tokens | fully reused drafts "
-        "| mean accepted len |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| held-out acc (start -> end) | groups without signal, epochs 2+ | generated / returned tokens "
+        "| fully reused drafts | mean accepted len |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for arm in arms:
         rs = [r for r in rows if r["arm"] == arm]
@@ -162,7 +163,7 @@ def table(rows: list[dict]) -> str:
             f"| {arm} | {fmt(r['rollout_s_epoch1'] for r in rs)} | "
             f"{fmt(r['rollout_s_later_per_epoch'] for r in rs)} | {fmt(speed)}x | {fmt(wall_speed)}x | "
             f"{fmt([r['forwards_per_rollout_later'] for r in rs], 1)} | "
-            f"{acc} | " + " | ".join(extra) + " |"
+            f"{acc} | {fmt(r['flat_groups_later'] for r in rs)} | " + " | ".join(extra) + " |"
         )
     return "\n".join(lines)
 

@@ -118,9 +118,8 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
         t_rollout = time.perf_counter() - t0
         # 2. reward and advantages
         rewards = score(tokenizer, reward_fn, rollout, grouped)
-        advantages = compute_advantages(
-            cfg.train.advantage, rewards.view(-1, cfg.rollout.group_size)
-        ).flatten()
+        by_group = rewards.view(-1, cfg.rollout.group_size)
+        advantages = compute_advantages(cfg.train.advantage, by_group).flatten()
         # 3. train, then 4. sync the rollout copy
         metrics = trainer.step(rollout, advantages)
         sync_rollout_model_(rollout_model, policy, cfg.rollout.precision)
@@ -129,6 +128,8 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
         record = {
             "step": step + 1,
             "reward_mean": float(rewards.mean()),
+            # groups whose samples all got the same reward carry no GRPO signal
+            "flat_group_frac": float((by_group.amax(1) == by_group.amin(1)).float().mean()),
             **metrics,
             "response_len": rollout.num_tokens / rollout.response_mask.shape[0],
             "tokens_per_s": rollout.num_tokens / step_time,

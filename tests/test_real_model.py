@@ -40,6 +40,7 @@ def test_train_on_a_model_directory_and_jsonl(hf_model_dir, tmp_path, monkeypatc
     for r in records[1:]:
         for key in (
             "reward_mean",
+            "flat_group_frac",
             "accuracy",
             "loss",
             "entropy",
