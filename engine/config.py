@@ -7,12 +7,13 @@ two-digit addition). An unknown field or a bad value raises ConfigError naming t
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -164,11 +165,32 @@ class Config(Section):
     checkpoint_every: int = Field(20, ge=1)
     out_dir: str = "runs"
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 keeps torch's default
+    device: str = "auto"  # "auto" (cuda when present, else cpu), "cpu", "cuda" or "cuda:N"
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     warmstart: WarmStartConfig = WarmStartConfig()
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        import torch
+
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ValueError(f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+        if value.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"{value!r} asked for, but this torch build sees no CUDA device")
+        return value
+
+    @property
+    def torch_device(self):
+        """The torch.device to run on ("auto": cuda when present, else cpu)."""
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
     @property
     def run_dir(self) -> Path:

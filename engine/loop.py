@@ -54,9 +54,11 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
+    device = cfg.torch_device
     policy, tokenizer, task = build(cfg)
+    policy.to(device)
     trainer = PolicyTrainer(policy, cfg.train, temperature=cfg.rollout.temperature)
-    sampler = torch.Generator().manual_seed(cfg.seed)  # drives every rollout sample
+    sampler = torch.Generator(device).manual_seed(cfg.seed)  # drives every rollout sample
     data_rng = random.Random(f"data-{cfg.seed}")  # drives which training prompts are drawn
     reward_fn = REWARDS[cfg.task.reward]
     # Speculative rollout reuse: last epoch's responses for the same prompts are drafts the policy verifies.
@@ -119,7 +121,7 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
         # 2. reward and advantages
         rewards = score(tokenizer, reward_fn, rollout, grouped)
         by_group = rewards.view(-1, cfg.rollout.group_size)
-        advantages = compute_advantages(cfg.train.advantage, by_group).flatten()
+        advantages = compute_advantages(cfg.train.advantage, by_group).flatten().to(device)
         # 3. train, then 4. sync the rollout copy
         metrics = trainer.step(rollout, advantages)
         sync_rollout_model_(rollout_model, policy, cfg.rollout.precision)

@@ -62,3 +62,16 @@ def test_correction_args():
         load_config(None, ['train.correction_args={"alpha": 0.4}'])
     with pytest.raises(ConfigError, match=r"rollout\.precision"):
         load_config(None, ["rollout.precision=int3"])
+
+
+def test_device():
+    import torch
+
+    assert load_config(None, ["device=cpu"]).torch_device == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert load_config().torch_device.type == expected  # auto
+    with pytest.raises(ConfigError, match="device"):
+        load_config(None, ["device=gpu0"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"device.*'cuda:1' asked for, but .* no CUDA"):
+            load_config(None, ["device=cuda:1"])

@@ -35,3 +35,20 @@ def test_mxfp4_rollouts_with_icepop_stay_finite_and_learn(tmp_path, monkeypatch)
     assert evals[-1] >= evals[0] + 0.1, evals
     assert all(math.isfinite(v) for r in steps for v in r.values() if isinstance(v, float))
     assert min(r["mismatch_k3_kl"] for r in steps) > 1e-3  # a real mismatch, every step
+
+
+def test_short_run_on_cuda(tmp_path, monkeypatch):
+    """The loop on a GPU: rollout, fused loss, checkpoint and resume all on the CUDA device."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (the loop's GPU path)")
+    from bitrl.engine.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "name=gpu", "device=cuda", "task.n_eval=100", "steps=4", "eval_every=2"]
+    assert main([*args, "checkpoint_every=2", "rollout.precision=mxfp4", "train.correction=tis"]) == 0
+    assert main(["train", "--resume", "runs/gpu", "steps=6"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "runs/gpu/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(7))

@@ -69,7 +69,7 @@ class PolicyTrainer:
         sums: dict[str, float] = {}
         n_updates = 0
         for _ in range(cfg.updates_per_batch):
-            for rows in torch.arange(batch).chunk(cfg.minibatches):
+            for rows in torch.arange(batch, device=mask.device).chunk(cfg.minibatches):
                 part = rollout_rows(rollout, rows)
                 # LM head, log-probs, entropy and loss in one op: no [tokens, vocab] logits, and the
                 # gradient is formed in the forward pass (one matmul fewer than log-probs then loss).
