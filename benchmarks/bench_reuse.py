@@ -168,6 +168,56 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def verification_cost(threads: int = 1, reps: int = 20) -> dict:
+    """The floor of reuse on this machine: rollout time when every draft is accepted (drafts sampled by the
+    same policy), against fresh generation and against the shared prompt prefill alone. Demo model after
+    its warm start, 32 prompts x 8 samples. Returns milliseconds per rollout (thread CPU time)."""
+    import random
+
+    import torch
+
+    from bitrl.engine.config import load_config
+    from bitrl.engine.evaluate import encode_prompts
+    from bitrl.engine.loop import build
+    from bitrl.engine.warmstart import warm_start
+    from bitrl.rollout.engine import generate, prefill_distinct
+    from bitrl.rollout.reuse import generate_with_drafts
+
+    torch.set_num_threads(threads)
+    cfg = load_config()
+    policy, tokenizer, task = build(cfg)
+    warm_start(policy, tokenizer, task, cfg, log=lambda *a: None)
+    policy.eval()
+    rng = random.Random(0)
+    problems = [task.sample(rng) for _ in range(cfg.rollout.prompts_per_step)]
+    prompts = encode_prompts(
+        tokenizer, [p for p in problems for _ in range(cfg.rollout.group_size)], cfg.task.prompt_template
+    )
+    kw = dict(
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+    )
+    gen = torch.Generator().manual_seed(0)
+    _, _, drafts = generate_with_drafts(policy, prompts, [None] * len(prompts), generator=gen, **kw)
+
+    def ms(fn):
+        fn()
+        t = time.thread_time()
+        for _ in range(reps):
+            fn()
+        return 1e3 * (time.thread_time() - t) / reps
+
+    return {
+        "fresh_generation_ms": ms(lambda: generate(policy, prompts, generator=gen, **kw)),
+        "all_drafts_accepted_ms": ms(
+            lambda: generate_with_drafts(policy, prompts, drafts, generator=gen, **kw)
+        ),
+        "prompt_prefill_ms": ms(lambda: prefill_distinct(policy, prompts, tokenizer.pad_token_id)),
+        "mean_response_tokens": sum(d.num_tokens for d in drafts) / len(drafts),
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -180,7 +230,13 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--set", nargs="*", default=[], help="extra config overrides, section.key=value")
     parser.add_argument("--out", default="runs/bench_reuse")
+    parser.add_argument(
+        "--verification-cost", action="store_true", help="only time a rollout whose drafts are all accepted"
+    )
     args = parser.parse_args(argv)
+    if args.verification_cost:
+        print(json.dumps(verification_cost(args.threads), indent=1))
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
