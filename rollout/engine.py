@@ -106,8 +106,6 @@ def generate(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not prompts:
-        raise ValueError("prompts must be a non-empty list of non-empty token lists")
     cache, logits, ids, mask, row_of = prefill_distinct(model, prompts, pad_id)
     if len(ids) != len(prompts):
         cache.batch_select_indices(row_of)
