@@ -119,8 +119,9 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = Field(1.0, gt=0)
-    # Trainer forward precision on top of model.dtype weights: fp16 adds dynamic loss scaling.
-    autocast: Literal["none", "bf16", "fp16"] = "none"
+    # Trainer forward precision on top of model.dtype weights: fp16 adds dynamic loss scaling; "auto" is bf16
+    # on a GPU and none (the weights' own dtype) on a CPU.
+    autocast: Literal["auto", "none", "bf16", "fp16"] = "auto"
     updates_per_batch: int = Field(2, ge=1)  # optimizer passes over each rollout batch (PPO epochs)
     minibatches: int = Field(1, ge=1)  # optimizer steps per pass
     advantage: str = "grpo"

@@ -77,3 +77,13 @@ def test_trainer_step_moves_probability_toward_positive_advantages(tiny_qwen, au
         assert 0 < metrics["mismatch_k3_kl"] < 1e-2  # a half-precision trainer forward vs an fp32 rollout
     if autocast == "fp16":
         assert trainer.scaler.get_scale() > 0
+
+
+def test_autocast_auto_is_bf16_on_gpu_and_off_on_cpu(tiny_qwen):
+    from bitrl.engine.config import load_config
+    from bitrl.train.trainer import PolicyTrainer
+
+    cfg = load_config().train
+    assert cfg.autocast == "auto"
+    trainer = PolicyTrainer(tiny_qwen, cfg)  # tiny_qwen lives on the CPU
+    assert trainer.autocast == "none" and not trainer.scaler.is_enabled()

@@ -41,6 +41,8 @@ class PolicyTrainer:
         # autocast; fp16 also scales the loss so that small gradients do not flush to zero.
         self.device_type = next(policy.parameters()).device.type
         self.autocast = getattr(cfg, "autocast", "none")
+        if self.autocast == "auto":
+            self.autocast = "bf16" if self.device_type == "cuda" else "none"
         # A disabled GradScaler passes everything through, so fp32/bf16 take the same code path.
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.autocast == "fp16")
 
