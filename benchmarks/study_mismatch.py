@@ -30,17 +30,20 @@ def run_one(
     from bitrl.engine.config import load_config
     from bitrl.engine.loop import run
 
+    # "mxfp4-floor": MX rollouts with OCP floor scales instead of the default rceil
+    fmt, _, scale_mode = precision.partition("-")
     cfg = load_config(
         None,
         [
             f"name={precision}-{correction}-s{seed}",
+            *([f"rollout.mx_scale_mode={scale_mode}"] if scale_mode else []),
             f"out_dir={out}",
             f"seed={seed}",
             f"steps={steps}",
             f"eval_every={eval_every}",
             f"checkpoint_every={steps}",
             f"threads={threads}",
-            f"rollout.precision={precision}",
+            f"rollout.precision={fmt}",
             f"train.correction={correction}",
         ],
     )

@@ -89,7 +89,9 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
     # The rollout copy in its own precision (bf16, fp8, mxfp4, ...), synced after every update.
-    rollout_model = make_rollout_model(policy, cfg.rollout.precision, cfg.rollout.act_quant)
+    rollout_model = make_rollout_model(
+        policy, cfg.rollout.precision, cfg.rollout.act_quant, cfg.rollout.mx_scale_mode
+    )
     aqn = None
     if cfg.rollout.aqn_stages:  # adaptive quantization noise on the rollout copy's RMSNorm weights
         aqn = AQN(AQNSchedule(cfg.steps, num_stages=cfg.rollout.aqn_stages), seed=cfg.seed)

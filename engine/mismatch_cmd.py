@@ -148,6 +148,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--rollout-precision", default="bf16", help="full|fp32|bf16|fp16|fp8|mxfp8|mxfp4|nvfp4"
     )
+    parser.add_argument(
+        "--mx-scale-mode",
+        default="rceil",
+        choices=["rceil", "floor"],
+        help="E8M0 block scales of mxfp8/mxfp4",
+    )
     parser.add_argument("--prompts", metavar="FILE", help="JSONL {'prompt': ...} or one prompt per line")
     parser.add_argument(
         "--external", metavar="FILE", help="token ids and log-probs reported by another engine"
@@ -206,7 +212,7 @@ def run(args) -> int:
     else:
         if not prompts:
             raise ValueError("--model needs --prompts FILE (or --external FILE)")
-        rollout_model = make_rollout_model(policy, args.rollout_precision)
+        rollout_model = make_rollout_model(policy, args.rollout_precision, mx_scale_mode=args.mx_scale_mode)
         problems = [
             Problem(str(i), p, "") for i, p in enumerate(prompts) for _ in range(args.samples_per_prompt)
         ]
@@ -221,7 +227,8 @@ def run(args) -> int:
             top_p=args.top_p,
             generator=torch.Generator().manual_seed(args.seed),
         )
-        label = f"rollout {args.rollout_precision} vs trainer {args.trainer_dtype}"
+        scales = f" ({args.mx_scale_mode} scales)" if args.rollout_precision.startswith("mx") else ""
+        label = f"rollout {args.rollout_precision}{scales} vs trainer {args.trainer_dtype}"
     with torch.no_grad():
         train_lp, _ = token_logprobs(policy, rollout, args.temperature, with_entropy=False)
     mask = rollout.response_mask

@@ -16,11 +16,16 @@ QUANT_FORMATS = {"fp8": "fp8_e4m3", "mxfp8": "mxfp8", "mxfp4": "mxfp4", "nvfp4":
 PRECISIONS = ("full", *FLOAT_PRECISIONS, *QUANT_FORMATS)
 
 
-def make_rollout_model(policy: torch.nn.Module, precision: str = "full", act: str | None = "auto"):
+def make_rollout_model(
+    policy: torch.nn.Module, precision: str = "full", act: str | None = "auto", mx_scale_mode: str = "rceil"
+):
     """A copy of `policy` for generation. precision: "full" (the policy's own dtype) or a name in PRECISIONS.
 
     act: activation quantization for quantized precisions ("auto": W8A8 for fp8, weights only for 4-bit;
-    None: weights only; see bitrl.quant.QuantLinear).
+    None: weights only; see bitrl.quant.QuantLinear). mx_scale_mode: the E8M0 block scale of mxfp8/mxfp4
+    weights, "rceil" (amax / element max rounded up to a power of two: nothing saturates) or "floor" (OCP:
+    the largest elements of a block saturate at the element max; for FP4 that costs up to a quarter of their
+    value, and the largest weights are the ones that matter most).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"rollout.precision must be one of {PRECISIONS}, got {precision!r}")
@@ -30,7 +35,9 @@ def make_rollout_model(policy: torch.nn.Module, precision: str = "full", act: st
     elif precision in QUANT_FORMATS:
         from bitrl.quant import quantize_model
 
-        model = quantize_model(model, QUANT_FORMATS[precision], act=act, source=policy)
+        fmt = QUANT_FORMATS[precision]
+        scale = {"scale_mode": mx_scale_mode} if fmt.startswith("mx") else {}
+        model = quantize_model(model, fmt, act=act, source=policy, **scale)
     for p in model.parameters():
         p.requires_grad_(False)
     return model

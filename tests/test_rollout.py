@@ -160,3 +160,30 @@ def test_rollout_dataclass_full_sequence_positions():
     )
     ids, mask, pos = r.full_sequence()
     assert pos.tolist() == [[0, 0, 1, 2, 3, 3]] and r.num_tokens == 2
+
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_mx_rollout_scale_mode_reaches_every_layer_and_survives_sync(tiny_qwen, mode):
+    import copy
+
+    from bitrl.quant import QuantLinear
+    from bitrl.rollout.precision import make_rollout_model, sync_rollout_model_
+
+    policy = copy.deepcopy(tiny_qwen)
+    rollout = make_rollout_model(policy, "mxfp4", mx_scale_mode=mode)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(1.5)
+    sync_rollout_model_(rollout, policy, "mxfp4")
+    layers = [m for m in rollout.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.qweight.scale_mode == mode for m in layers)
+    # In units of the block scale s, E2M1's widest gap (4 -> 6) is 2, so rounding is off by at most 1·s.
+    # rceil never saturates; floor clips block maxima above 6·s at 6·s, off by up to 2·s.
+    q = layers[0]
+    src = policy.get_submodule(q.source_name).weight
+    err = (q.dequantized_weight(torch.float32) - src).abs()
+    amax = src.abs().reshape(src.shape[0], -1, 32).amax(-1, keepdim=True)
+    exponent = torch.ceil(torch.log2(amax / 6)) if mode == "rceil" else torch.floor(torch.log2(amax)) - 2
+    scale = (2**exponent).expand(-1, -1, 32).reshape(src.shape)
+    within_rounding = bool((err <= scale * (1 + 1e-6)).all())
+    assert within_rounding == (mode == "rceil")
