@@ -1,5 +1,5 @@
 """Study: held-out accuracy and rollout/trainer mismatch on the demo task, for each rollout precision and
-mismatch correction, over several seeds.
+mismatch correction, over several seeds, paired by seed against full precision.
 
     python benchmarks/study_mismatch.py --steps 100 --seeds 0 1 2 --out runs/study
     # or split over processes, then one table:
@@ -7,8 +7,11 @@ mismatch correction, over several seeds.
     python benchmarks/study_mismatch.py --precisions mxfp4 nvfp4 --threads 1 --out runs/study/b
     python benchmarks/study_mismatch.py --merge runs/study/a runs/study/b --out runs/study
 
-Writes <out>/study.json (every run's summary) and <out>/study.md (the table for the README). Every run of
-a seed starts from the same cached warm start, so the columns differ only in rollout precision and correction.
+A precision "mxfp4-floor" (or "mxfp8-floor") runs MX rollouts with OCP floor block scales instead of the
+default rceil. Writes <out>/study.json (every run's summary, with its evaluation curve) and <out>/study.md:
+the mean accuracy over the evaluations in the second half of training per cell, and each cell's gap to
+full precision with a 95% confidence interval over the seeds. Every run of a seed starts from the same
+cached warm start and draws the same prompts, so a gap differs only in rollout precision and correction.
 """
 
 from __future__ import annotations
