@@ -221,6 +221,8 @@ def build_plan(
         metrics["is_weight_max"] = (
             torch.where(m_eff > 0, corr_w, -big).amax() if corr_w.numel() else corr_w.sum()
         )
+        # IcePop-style corrections drop a token from the gradient by a zero weight rather than a mask
+        metrics["is_weight_zero_frac"] = ((corr_w == 0) & (m_eff > 0)).to(dtype).sum() / ne
         wn = corr_w / (metrics["is_weight_mean"].clamp(min=1e-30))
         metrics["is_ess"] = 1.0 / ((wn.square() * m_eff).sum() / ne).clamp(min=1e-30)
     metrics["masked_frac"] = (valid.to(dtype).sum() - m_eff.sum()) / n_valid
@@ -747,7 +749,8 @@ def policy_loss(
         ``(loss, metrics)``: loss is a 0-dim fp32 tensor (fp64 for fp64 inputs); metrics maps names to
         detached 0-dim fp32 tensors: pg_loss, clipfrac_low/high/dual, clipfrac, ratio_mean/min/max, n_tokens,
         kl / kl_loss (with ref), entropy / entropy_loss (with entropy), masked_frac, nonfinite_frac,
-        is_weight_mean/min/max, is_ess and mismatch_k1/k3/chi2_token/chi2_seq (with rollout_logprobs).
+        is_weight_mean/min/max/zero_frac, is_ess and mismatch_k1/k3/chi2_token/chi2_seq (with
+        rollout_logprobs).
         All reductions run in fp32; correction weights are detached.
     """
     check_tensor("logprobs", logprobs, ndim=2, dtypes=FLOAT_DTYPES)

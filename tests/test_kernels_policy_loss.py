@@ -174,6 +174,8 @@ def test_corrections_by_hand(corr, kw, want, masked, impl):
     assert float(met["mismatch_chi2_token"]) == pytest.approx((9 + 0.25 + 4 + 16) / 4 - 1)
     if corr != "none":
         assert "is_weight_mean" in met or masked > 0
+    if corr == "icepop":  # rho = 3 and 4 leave [0.5, 2.5]: two of four tokens get a zero weight
+        assert float(met["is_weight_zero_frac"]) == pytest.approx(0.5)
 
 
 def test_entropy_bonus_by_hand():

@@ -18,6 +18,10 @@ LOGGED_LOSS_METRICS = (
     "ratio_mean",
     "ratio_max",
     "is_weight_mean",
+    "is_weight_min",
+    "is_weight_max",
+    "is_weight_zero_frac",
+    "masked_frac",
     "entropy",
 )
 
