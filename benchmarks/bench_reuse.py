@@ -32,6 +32,17 @@ ARMS = {
     "exact l=1": ["rollout.reuse.enabled=true", "rollout.reuse.mode=exact", "rollout.reuse.lenience=1.0"],
     "exact l=0.8": ["rollout.reuse.enabled=true", "rollout.reuse.mode=exact", "rollout.reuse.lenience=0.8"],
     "exact l=0.5": ["rollout.reuse.enabled=true", "rollout.reuse.mode=exact", "rollout.reuse.lenience=0.5"],
+    "spec-rl l=1, refresh flat": [
+        "rollout.reuse.enabled=true",
+        "rollout.reuse.lenience=1.0",
+        "rollout.reuse.refresh_flat=true",
+    ],
+    "exact l=1, refresh flat": [
+        "rollout.reuse.enabled=true",
+        "rollout.reuse.mode=exact",
+        "rollout.reuse.lenience=1.0",
+        "rollout.reuse.refresh_flat=true",
+    ],
 }
 
 

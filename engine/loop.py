@@ -123,7 +123,12 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
         # 2. reward and advantages
         rewards = score(tokenizer, reward_fn, rollout, grouped)
         by_group = rewards.view(-1, cfg.rollout.group_size)
+        flat = by_group.amax(1) == by_group.amin(1)  # groups whose samples all scored alike: no GRPO signal
         advantages = compute_advantages(cfg.train.advantage, by_group).flatten().to(device)
+        if reuse is not None and cfg.rollout.reuse.refresh_flat:
+            for g in flat.nonzero().flatten().tolist():
+                for i in range(cfg.rollout.group_size):
+                    reuse.cache.discard((problems[g].uid, i))
         # 3. train, then 4. sync the rollout copy
         metrics = trainer.step(rollout, advantages)
         sync_rollout_model_(rollout_model, policy, cfg.rollout.precision)
@@ -132,8 +137,7 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
         record = {
             "step": step + 1,
             "reward_mean": float(rewards.mean()),
-            # groups whose samples all got the same reward carry no GRPO signal
-            "flat_group_frac": float((by_group.amax(1) == by_group.amin(1)).float().mean()),
+            "flat_group_frac": float(flat.float().mean()),
             **metrics,
             "response_len": rollout.num_tokens / rollout.response_mask.shape[0],
             "tokens_per_s": rollout.num_tokens / step_time,

@@ -123,6 +123,11 @@ class RolloutCache:
             self._remove(next(iter(self._entries)))
             self.evictions += 1
 
+    def discard(self, key) -> None:
+        """Forget the draft under `key`, if any."""
+        if key in self._entries:
+            self._remove(key)
+
     def _remove(self, key) -> None:
         self.tokens -= self._entries.pop(key).num_tokens
 

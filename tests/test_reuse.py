@@ -436,3 +436,41 @@ def test_quantized_rollout_copy(tiny_qwen, precision):
         full, _ = token_logprobs(model, out, with_entropy=False)
     m = out.response_mask
     torch.testing.assert_close(out.logprobs[m], full[m], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("refresh", [False, True])
+def test_refresh_flat_drops_the_drafts_of_groups_without_signal(tmp_path, refresh):
+    """An untrained model never answers right, so every group is flat: with refresh_flat no draft survives."""
+    from bitrl.engine.config import load_config
+    from bitrl.engine.loop import run
+
+    cfg = load_config(
+        None,
+        [
+            "model.hidden_size=32",
+            "model.intermediate_size=64",
+            "model.num_layers=1",
+            "model.num_heads=2",
+            "model.num_kv_heads=1",
+            "task.n_eval=8",
+            "warmstart.steps=0",
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=2",
+            "rollout.fixed_prompts=8",
+            "rollout.reuse.enabled=true",
+            f"rollout.reuse.refresh_flat={str(refresh).lower()}",
+            "steps=6",
+            f"out_dir={tmp_path}",
+        ],
+    )
+    steps = [r for r in run(cfg, log=lambda *a: None) if r["step"] > 2]  # epochs 2 and 3
+    assert all(r["flat_group_frac"] == 1.0 for r in steps)
+    assert all(r["reuse_hit_rate"] == (0.0 if refresh else 1.0) for r in steps)
+
+
+def test_cache_discard():
+    cache = RolloutCache(max_tokens=10)
+    cache.put("a", _draft(4))
+    cache.discard("a")
+    cache.discard("missing")
+    assert len(cache) == 0 and cache.tokens == 0
