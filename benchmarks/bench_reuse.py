@@ -20,29 +20,30 @@ import sys
 import time
 from pathlib import Path
 
+
+def _reuse(mode: str, lenience: float, refresh_flat: bool = False) -> list[str]:
+    return [
+        "rollout.reuse.enabled=true",
+        f"rollout.reuse.mode={mode}",
+        f"rollout.reuse.lenience={lenience}",
+        f"rollout.reuse.refresh_flat={str(refresh_flat).lower()}",
+    ]
+
+
 # arm name -> config overrides. Every arm prefills each distinct prompt once (the engine always does), so the
 # arms differ only in what the drafts save. Exact mode with lenience < 1 accepts less of each draft: it stays
-# exact and trades speed for fresher samples.
+# exact and trades speed for fresher samples. "refresh flat" samples signal-free groups afresh.
 ARMS = {
     "no reuse": ["rollout.reuse.enabled=false"],
-    "spec-rl l=1": ["rollout.reuse.enabled=true", "rollout.reuse.lenience=1.0"],
-    "spec-rl l=e^0.5": ["rollout.reuse.enabled=true", f"rollout.reuse.lenience={math.exp(0.5)}"],
-    "spec-rl l=2": ["rollout.reuse.enabled=true", "rollout.reuse.lenience=2.0"],
-    "spec-rl l=4": ["rollout.reuse.enabled=true", "rollout.reuse.lenience=4.0"],
-    "exact l=1": ["rollout.reuse.enabled=true", "rollout.reuse.mode=exact", "rollout.reuse.lenience=1.0"],
-    "exact l=0.8": ["rollout.reuse.enabled=true", "rollout.reuse.mode=exact", "rollout.reuse.lenience=0.8"],
-    "exact l=0.5": ["rollout.reuse.enabled=true", "rollout.reuse.mode=exact", "rollout.reuse.lenience=0.5"],
-    "spec-rl l=1, refresh flat": [
-        "rollout.reuse.enabled=true",
-        "rollout.reuse.lenience=1.0",
-        "rollout.reuse.refresh_flat=true",
-    ],
-    "exact l=1, refresh flat": [
-        "rollout.reuse.enabled=true",
-        "rollout.reuse.mode=exact",
-        "rollout.reuse.lenience=1.0",
-        "rollout.reuse.refresh_flat=true",
-    ],
+    "spec-rl l=1": _reuse("spec-rl", 1.0),
+    "spec-rl l=e^0.5": _reuse("spec-rl", math.exp(0.5)),
+    "spec-rl l=2": _reuse("spec-rl", 2.0),
+    "spec-rl l=4": _reuse("spec-rl", 4.0),
+    "exact l=1": _reuse("exact", 1.0),
+    "exact l=0.8": _reuse("exact", 0.8),
+    "exact l=0.5": _reuse("exact", 0.5),
+    "spec-rl l=1, refresh flat": _reuse("spec-rl", 1.0, refresh_flat=True),
+    "exact l=1, refresh flat": _reuse("exact", 1.0, refresh_flat=True),
 }
 
 

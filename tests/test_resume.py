@@ -35,6 +35,7 @@ REUSE = [
     "rollout.reuse.mode=exact",
     "rollout.reuse.lenience=1.6487",
     "rollout.reuse.exact_topk=4",
+    "rollout.reuse.refresh_flat=false",  # every reward is 0 here: refreshing would drop every draft
     "train.lr=3e-3",
     "train.entropy_coef=0.05",  # moves the policy even while every reward is 0
     "steps=24",
