@@ -105,9 +105,9 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
         else:
             problems = fixed_prompt_batch(pool, step, cfg.rollout.prompts_per_step, cfg.seed)
         grouped = [p for p in problems for _ in range(cfg.rollout.group_size)]
-        rollout_fn = generate
-        if reuse is not None:  # row i's draft is cached under (prompt uid, i-th sample of its group)
-            rollout_fn = reuse.bind([(p.uid, i % cfg.rollout.group_size) for i, p in enumerate(grouped)])
+        # row i's draft is cached under (prompt uid, i-th sample of its group)
+        draft_keys = [(p.uid, i % cfg.rollout.group_size) for i, p in enumerate(grouped)]
+        rollout_fn = generate if reuse is None else reuse.bind(draft_keys)
         rollout = rollout_fn(
             rollout_model,
             encode_prompts(tokenizer, grouped, cfg.task.prompt_template),
@@ -125,10 +125,9 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
         by_group = rewards.view(-1, cfg.rollout.group_size)
         flat = by_group.amax(1) == by_group.amin(1)  # groups whose samples all scored alike: no GRPO signal
         advantages = compute_advantages(cfg.train.advantage, by_group).flatten().to(device)
-        if reuse is not None and cfg.rollout.reuse.refresh_flat:
-            for g in flat.nonzero().flatten().tolist():
-                for i in range(cfg.rollout.group_size):
-                    reuse.cache.discard((problems[g].uid, i))
+        if reuse is not None and cfg.rollout.reuse.refresh_flat:  # sample signal-free groups afresh
+            for row in flat.repeat_interleave(cfg.rollout.group_size).nonzero().flatten().tolist():
+                reuse.cache.discard(draft_keys[row])
         # 3. train, then 4. sync the rollout copy
         metrics = trainer.step(rollout, advantages)
         sync_rollout_model_(rollout_model, policy, cfg.rollout.precision)
