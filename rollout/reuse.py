@@ -188,8 +188,8 @@ def residual_logprobs(
     from.
 
     new_logprobs: [N, V] log p (the current sampling distribution); old_ids / old_logprobs: [N, K] the known
-    entries of q (unknown entries count as 0; -inf entries and duplicates are harmless). Where the residual
-    has no mass (p == q), returns log p.
+    entries of q (unknown entries count as 0; -inf entries are harmless, and an id may repeat if every copy
+    carries the same value). Where the residual has no mass (p == q), returns log p.
     """
     p = new_logprobs.float().exp()
     q = torch.zeros_like(p).scatter(-1, old_ids, old_logprobs.float().exp())
@@ -385,7 +385,7 @@ def generate_with_drafts(
         pos = p_len[prompt_rows[active]] + a_acc
         logp = logp_new[active, a_acc]  # [A, V] the distribution at the resume position
         if mode == "exact" and bool(rejected[active].any()):
-            logp = _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, keep_topk, device)
+            logp = _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, device)
         budget = max_new_tokens - a_acc
         alive = torch.ones(len(active), dtype=torch.bool, device=device)
         step_logp = logp_new[active, a_acc]
@@ -486,19 +486,27 @@ def generate_with_drafts(
     return rollout, stats, new_drafts
 
 
-def _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, keep_topk, device):
-    """Replace the resume distribution of rejected rows by the speculative-sampling residual."""
-    logp = logp.clone()
-    for i, b in enumerate(active.tolist()):
-        if not bool(rejected[b]):
-            continue
+def _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, device):
+    """Replace the resume distribution of rejected rows by the speculative-sampling residual, all rows in one
+    call. logp: [A, V] the resume distributions of the `active` rows."""
+    picked = [(i, b) for i, b in enumerate(active.tolist()) if bool(rejected[b])]
+    known_ids, known_lps = [], []
+    for i, b in picked:  # what is known of pi_old at the rejected position: stored top-k + drafted token
         d, a = drafts[b], int(a_acc[i])
-        ids = d.tokens[a : a + 1].long()
-        lps = d.logprobs[a : a + 1].float()
+        ids, lps = d.tokens[a : a + 1].long(), d.logprobs[a : a + 1].float()
         if d.top_ids is not None and d.top_ids.shape[-1]:
             ids = torch.cat([d.top_ids[a].long(), ids])
             lps = torch.cat([d.top_logprobs[a].float(), lps])
-        logp[i] = residual_logprobs(logp[i : i + 1], ids[None].to(device), lps[None].to(device), lenience)[0]
+        known_ids.append(ids)
+        known_lps.append(lps)
+    # Rows may know different numbers of entries: pad by repeating a row's drafted token, a duplicate that
+    # scatters the same value (a padding id with zero mass could overwrite a real entry of that id).
+    width = max(len(x) for x in known_ids)
+    ids = torch.stack([torch.cat([x, x[-1:].expand(width - len(x))]) for x in known_ids]).to(device)
+    lps = torch.stack([torch.cat([x, x[-1:].expand(width - len(x))]) for x in known_lps]).to(device)
+    rows = torch.tensor([i for i, _ in picked], dtype=torch.long, device=device)
+    logp = logp.clone()
+    logp[rows] = residual_logprobs(logp[rows], ids, lps, lenience)
     return logp
 
 

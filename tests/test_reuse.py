@@ -474,3 +474,33 @@ def test_cache_discard():
     cache.discard("a")
     cache.discard("missing")
     assert len(cache) == 0 and cache.tokens == 0
+
+
+def test_batched_residual_equals_row_by_row_with_uneven_old_support():
+    """Rejected rows resample from their own residual even when drafts store different amounts of pi_old
+    (including token id 0, which a zero-mass padding entry must not overwrite)."""
+    from bitrl.rollout.reuse import Draft, _resample_rejected, residual_logprobs
+
+    torch.manual_seed(0)
+    vocab = 6
+    logp = torch.log_softmax(torch.randn(3, vocab), -1)
+    old = torch.log_softmax(torch.randn(3, 2, vocab), -1)  # pi_old at draft positions 0 and 1
+    tokens = torch.tensor([[0, 3], [2, 0], [5, 1]])
+    top_lp, top_ids = old.topk(3, dim=-1)
+    drafts = [
+        Draft(tokens[0], old[0].gather(-1, tokens[0, :, None]).squeeze(-1), top_ids[0], top_lp[0]),
+        Draft(tokens[1], old[1].gather(-1, tokens[1, :, None]).squeeze(-1)),  # no stored top-k
+        Draft(
+            tokens[2], old[2].gather(-1, tokens[2, :, None]).squeeze(-1), top_ids[2, :, :1], top_lp[2, :, :1]
+        ),
+    ]
+    active, a_acc = torch.arange(3), torch.tensor([0, 1, 1])
+    rejected = torch.tensor([True, True, True])
+    got = _resample_rejected(logp, active, rejected, a_acc, drafts, 1.0, torch.device("cpu"))
+    for i, d in enumerate(drafts):
+        a = int(a_acc[i])
+        ids, lps = d.tokens[a : a + 1], d.logprobs[a : a + 1]
+        if d.top_ids is not None:
+            ids, lps = torch.cat([d.top_ids[a], ids]), torch.cat([d.top_logprobs[a], lps])
+        want = residual_logprobs(logp[i : i + 1], ids[None], lps[None], 1.0)[0]
+        torch.testing.assert_close(got[i], want)
