@@ -10,13 +10,18 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("BITRL_CACHE", str(tmp_path_factory.getbasetemp() / "bitrl-cache"))
 
 
+def make_qwen(seed: int = 0, **config):
+    """A Qwen2 causal LM with random weights (seeded), fp32, eval mode; `config` overrides Qwen2Config."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**config)).eval()
+
+
 @pytest.fixture
 def tiny_qwen():
     """A 2-layer Qwen2 causal LM with a 16-token vocabulary, random weights, fp32."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
+    return make_qwen(
         vocab_size=16,
         hidden_size=32,
         intermediate_size=64,
@@ -28,7 +33,6 @@ def tiny_qwen():
         bos_token_id=1,
         eos_token_id=2,
     )
-    return Qwen2ForCausalLM(config).eval()
 
 
 def save_tiny_hf_model(directory):

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_qwen
 from test_kernels_helpers import assert_close
 
 from bitrl.kernels import fused_linear_policy_loss, fused_logprobs, policy_loss
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 
 def _tiny_model(tie: bool):
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
+    return make_qwen(
         vocab_size=50,
         hidden_size=16,
         intermediate_size=32,
@@ -22,8 +22,7 @@ def _tiny_model(tie: bool):
         num_key_value_heads=1,
         max_position_embeddings=32,
         tie_word_embeddings=tie,
-    )
-    return transformers.Qwen2ForCausalLM(cfg).double()
+    ).double()
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import make_qwen
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -164,8 +165,8 @@ def test_aqn_schedule():
 
 
 def _tiny():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen2Config(
+    pytest.importorskip("transformers")
+    return make_qwen(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
@@ -173,8 +174,6 @@ def _tiny():
         num_attention_heads=2,
         num_key_value_heads=1,
     )
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(cfg).eval()
 
 
 def test_aqn_applies_noise_without_accumulating():

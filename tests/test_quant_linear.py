@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_qwen
 from torch import nn
 
 from bitrl.kernels import qmatmul
@@ -16,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 
 def tiny_qwen(seed=0, tie=True):
-    cfg = transformers.Qwen2Config(
+    return make_qwen(
+        seed,
         vocab_size=128,
         hidden_size=64,
         intermediate_size=96,
@@ -26,8 +28,6 @@ def tiny_qwen(seed=0, tie=True):
         max_position_embeddings=64,
         tie_word_embeddings=tie,
     )
-    torch.manual_seed(seed)
-    return transformers.Qwen2ForCausalLM(cfg).eval()
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
