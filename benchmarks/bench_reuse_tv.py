@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     from bitrl.rollout.engine import generate
     from bitrl.rollout.reuse_tv import (
         empirical_distribution,
-        engine_reuse_sample,
+        engine_reuse_distribution,
         enumerable_model,
         fresh_distribution,
         next_token_table,
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
             f"{total_variation(empirical_distribution(floor), p_new):.4f})"
         )
         for mode, k in [("spec-rl", 0), ("exact", V)]:
-            rollout, _ = engine_reuse_sample(
+            emp = engine_reuse_distribution(
                 old,
                 new,
                 prompt,
@@ -108,7 +108,6 @@ def main(argv=None) -> int:
                 old_topk=k,
             )
             dist, _ = reuse_distribution(t_new, t_old, seqs, lenience=1.0, mode=mode, old_topk=k)
-            emp = empirical_distribution(rollout)
             print(
                 f"- {mode}: TV(engine, formula) = {total_variation(emp, dist):.4f}, "
                 f"TV(engine, fresh exact) = {total_variation(emp, p_new):.4f}"

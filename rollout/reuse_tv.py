@@ -160,7 +160,7 @@ def empirical_distribution(rollout) -> dict:
 
 
 @torch.no_grad()
-def engine_reuse_sample(
+def engine_reuse_distribution(
     old_model,
     new_model,
     prompt,
@@ -174,8 +174,8 @@ def engine_reuse_sample(
     old_topk: int,
     seed: int = 0,
 ):
-    """n responses from the engine: drafts sampled from old_model (fresh), then verified and resumed by
-    new_model. Returns the reuse Rollout."""
+    """The empirical distribution of n responses from the engine: drafts sampled from old_model (fresh), then
+    verified and resumed by new_model."""
     prompts = [list(prompt)] * n
     _, _, drafts = generate_with_drafts(
         old_model,
@@ -187,7 +187,7 @@ def engine_reuse_sample(
         keep_topk=old_topk,
         generator=torch.Generator().manual_seed(seed),
     )
-    rollout, stats, _ = generate_with_drafts(
+    rollout, _, _ = generate_with_drafts(
         new_model,
         prompts,
         drafts,
@@ -198,4 +198,4 @@ def engine_reuse_sample(
         mode=mode,
         generator=torch.Generator().manual_seed(seed + 1),
     )
-    return rollout, stats
+    return empirical_distribution(rollout)

@@ -17,8 +17,7 @@ from bitrl.rollout.reuse import (
     residual_logprobs,
 )
 from bitrl.rollout.reuse_tv import (
-    empirical_distribution,
-    engine_reuse_sample,
+    engine_reuse_distribution,
     enumerable_model,
     fresh_distribution,
     next_token_table,
@@ -266,7 +265,7 @@ def test_engine_matches_the_tv_formula(tv_setup, mode, old_topk):
     """The engine's empirical response distribution is within sampling noise of the formula's."""
     old, new, prompt, t_old, t_new, seqs = tv_setup
     n = 12000
-    rollout, _ = engine_reuse_sample(
+    empirical = engine_reuse_distribution(
         old,
         new,
         prompt,
@@ -279,7 +278,6 @@ def test_engine_matches_the_tv_formula(tv_setup, mode, old_topk):
         old_topk=old_topk,
     )
     dist, _ = reuse_distribution(t_new, t_old, seqs, lenience=1.0, mode=mode, old_topk=old_topk)
-    empirical = empirical_distribution(rollout)
     # E[TV] of n samples is about sum_y sqrt(p_y / (2 pi n)); allow a wide margin.
     noise = sum(math.sqrt(p / (2 * math.pi * n)) for p in dist.values())
     assert total_variation(empirical, dist) < 1.6 * noise + 0.005
