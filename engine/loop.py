@@ -108,9 +108,10 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
         # row i's draft is cached under (prompt uid, i-th sample of its group)
         draft_keys = [(p.uid, i % cfg.rollout.group_size) for i, p in enumerate(grouped)]
         rollout_fn = generate if reuse is None else reuse.bind(draft_keys)
+        prompt_ids = encode_prompts(tokenizer, problems, cfg.task.prompt_template)
         rollout = rollout_fn(
             rollout_model,
-            encode_prompts(tokenizer, grouped, cfg.task.prompt_template),
+            [ids for ids in prompt_ids for _ in range(cfg.rollout.group_size)],
             max_new_tokens=cfg.rollout.max_new_tokens,
             eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,

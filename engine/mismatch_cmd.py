@@ -213,12 +213,12 @@ def run(args) -> int:
         if not prompts:
             raise ValueError("--model needs --prompts FILE (or --external FILE)")
         rollout_model = make_rollout_model(policy, args.rollout_precision, mx_scale_mode=args.mx_scale_mode)
-        problems = [
-            Problem(str(i), p, "") for i, p in enumerate(prompts) for _ in range(args.samples_per_prompt)
-        ]
+        prompt_ids = encode_prompts(
+            tokenizer, [Problem(str(i), p, "") for i, p in enumerate(prompts)], "{prompt}"
+        )
         rollout = generate(
             rollout_model,
-            encode_prompts(tokenizer, problems, "{prompt}"),
+            [ids for ids in prompt_ids for _ in range(args.samples_per_prompt)],
             max_new_tokens=max_new,
             eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,

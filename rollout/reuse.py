@@ -383,12 +383,13 @@ def generate_with_drafts(
         steps = torch.arange(attn.shape[1] - prompt_width, device=device)[None, :]
         attn[:, prompt_width:] = (steps < a_acc[:, None]).long()
         pos = p_len[prompt_rows[active]] + a_acc
-        logp = logp_new[active, a_acc]  # [A, V] the distribution at the resume position
+        # [A, V] the current policy at the resume position: what the returned log-probs are measured under;
+        # `logp` is what the token is drawn from (the residual at a rejected position in exact mode)
+        step_logp = logp = logp_new[active, a_acc]
         if mode == "exact" and bool(rejected[active].any()):
             logp = _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, device)
         budget = max_new_tokens - a_acc
         alive = torch.ones(len(active), dtype=torch.bool, device=device)
-        step_logp = logp_new[active, a_acc]
         while True:
             tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
             tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
