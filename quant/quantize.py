@@ -209,12 +209,10 @@ def quantize_reference(
     xb, rows, kp = blockify(x2, block)
     bh, bw = block
     nbr, _, nbc, _ = xb.shape
-    if bh == 1 and nbc == 1 and gmax is not None and rows == 1:
-        amax = gmax.reshape(1, 1)
+    if nbr == 1 and nbc == 1:  # one block: its amax is the tensor's
+        amax = (gmax if gmax is not None else xb.abs().amax()).reshape(1, 1)
     elif bh == 1:
         amax = xb.view(nbr, nbc, bw).abs().amax(dim=-1)
-    elif nbr == 1 and nbc == 1:
-        amax = (gmax if gmax is not None else xb.abs().amax()).reshape(1, 1)
     else:
         amax = xb.abs().amax(dim=(1, 3))
     ts = None

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import E2M1 as E2M1_
-from .formats import E4M3, E8M0_DTYPE, ElementFormat
+from .formats import E2M1, E4M3, E8M0_DTYPE, ElementFormat
 
 _F32_EXP_SHIFT = 23
 
@@ -91,7 +90,7 @@ def e2m1_encode_table(device) -> torch.Tensor:
 
         def code(v):
             v = torch.where(torch.isfinite(v), v, torch.full_like(v, 1e30).copysign(v))
-            return encode_element(round_to_element(v.abs(), E2M1_), torch.signbit(v), E2M1_)
+            return encode_element(round_to_element(v.abs(), E2M1), torch.signbit(v), E2M1)
 
         lut = torch.stack((code(start), code(above)), dim=-1).reshape(-1).to(device)
         _ENC_CACHE[device] = lut
