@@ -102,13 +102,6 @@ class RolloutConfig(Section):
     mx_scale_mode: Literal["floor", "rceil"] = "rceil"
     # Adaptive quantization noise: K stages over the run (sigma 0, then 1e-2 -> 1e-4); 0 disables it.
     aqn_stages: int = Field(0, ge=0)
-
-    @model_validator(mode="after")
-    def _aqn(self):
-        if self.aqn_stages == 1:
-            raise ValueError("rollout.aqn_stages must be 0 (off) or >= 2 (the first stage has no noise)")
-        return self
-
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(6, ge=1)
@@ -119,6 +112,12 @@ class RolloutConfig(Section):
     # problems every step). Speculative reuse needs prompts to come back.
     fixed_prompts: int | None = Field(None, ge=1)
     reuse: ReuseConfig = ReuseConfig()
+
+    @model_validator(mode="after")
+    def _aqn(self):
+        if self.aqn_stages == 1:
+            raise ValueError("rollout.aqn_stages must be 0 (off) or >= 2 (the first stage has no noise)")
+        return self
 
 
 class TrainConfig(Section):
