@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from bitrl.benchmarks.stats import mean_ci95
+
 
 def _reuse(mode: str, lenience: float, refresh_flat: bool = False) -> list[str]:
     return [
@@ -139,32 +141,43 @@ def run_arm(name, arm, seed, args, out: Path) -> dict:
     return out_row
 
 
+CPU, WALL = "rollout_s_later_per_epoch", "rollout_wall_s_later_per_epoch"
+
+
+def late_accuracy(row: dict) -> float:
+    """Mean held-out accuracy over the evaluations of the second half of training (one per epoch, the first
+    before any RL): it damps the run-to-run chaos of a single evaluation, so arms are compared on it."""
+    evals = row["accuracy_per_epoch"]
+    return statistics.fmean(evals[len(evals) // 2 + 1 :] or evals[-1:])
+
+
 def table(rows: list[dict]) -> str:
+    """One line per arm: means ± std over seeds, and the held-out accuracy gap to no reuse paired by seed."""
     arms = list(dict.fromkeys(r["arm"] for r in rows))
     base = {r["seed"]: r for r in rows if r["arm"] == "no reuse"}
+
+    def fmt(values, digits=2):
+        values = list(values)
+        mean = statistics.fmean(values)
+        spread = f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
+        return f"{mean:.{digits}f}{spread}"
+
     lines = [
-        "| arm | rollout CPU s / epoch, epoch 1 | rollout CPU s / epoch, epochs 2+ | CPU speedup epochs 2+ "
-        "| wall speedup epochs 2+ | sequential forwards / rollout, epochs 2+ "
-        "| held-out acc (start -> end) | groups without signal, epochs 2+ | generated / returned tokens "
-        "| fully reused drafts | mean accepted len |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| arm | seeds | rollout CPU s / epoch, epochs 2+ | CPU speedup | wall speedup "
+        "| sequential forwards / rollout | held-out acc, late mean | gap to no reuse (points, 95% CI) "
+        "| groups without signal | generated / returned tokens | fully reused drafts | mean accepted len |",
+        "|---" * 12 + "|",
     ]
     for arm in arms:
         rs = [r for r in rows if r["arm"] == arm]
-        speed = [base[r["seed"]]["rollout_s_later_per_epoch"] / r["rollout_s_later_per_epoch"] for r in rs]
-        wall_speed = [
-            base[r["seed"]]["rollout_wall_s_later_per_epoch"] / r["rollout_wall_s_later_per_epoch"]
-            for r in rs
-        ]
-
-        def fmt(values, digits=2):
-            values = list(values)
-            mean = statistics.fmean(values)
-            spread = f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
-            return f"{mean:.{digits}f}{spread}"
-
-        acc = f"{fmt((r['accuracy_start'] for r in rs), 3)} -> {fmt((r['accuracy_end'] for r in rs), 3)}"
-        extra = ["-", "-", "-"]
+        paired = [r for r in rs if r["seed"] in base]
+        speed = [base[r["seed"]][CPU] / r[CPU] for r in paired]
+        wall_speed = [base[r["seed"]][WALL] / r[WALL] for r in paired]
+        gaps = [100 * (late_accuracy(r) - late_accuracy(base[r["seed"]])) for r in paired]
+        gap = "–"
+        if arm != "no reuse" and len(gaps) >= 2:
+            gap = "{:+.1f} ± {:.1f}".format(*mean_ci95(gaps))
+        extra = ["–", "–", "–"]
         if "accept_len_mean" in rs[0]:
             extra = [
                 fmt(r["generated_over_returned"] for r in rs),
@@ -172,10 +185,11 @@ def table(rows: list[dict]) -> str:
                 fmt(r["accept_len_mean"] for r in rs),
             ]
         lines.append(
-            f"| {arm} | {fmt(r['rollout_s_epoch1'] for r in rs)} | "
-            f"{fmt(r['rollout_s_later_per_epoch'] for r in rs)} | {fmt(speed)}x | {fmt(wall_speed)}x | "
+            f"| {arm} | {len(rs)} | {fmt(r['rollout_s_later_per_epoch'] for r in rs)} | "
+            f"{fmt(speed) if speed else '–'}x | {fmt(wall_speed) if wall_speed else '–'}x | "
             f"{fmt([r['forwards_per_rollout_later'] for r in rs], 1)} | "
-            f"{acc} | {fmt(r['flat_groups_later'] for r in rs)} | " + " | ".join(extra) + " |"
+            f"{fmt(map(late_accuracy, rs), 3)} | {gap} | "
+            f"{fmt(r['flat_groups_later'] for r in rs)} | " + " | ".join(extra) + " |"
         )
     return "\n".join(lines)
 
@@ -245,12 +259,23 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--verification-cost", action="store_true", help="only time a rollout whose drafts are all accepted"
     )
+    parser.add_argument(
+        "--merge", nargs="+", metavar="DIR", help="only tabulate the results.json of these folders into --out"
+    )
     args = parser.parse_args(argv)
     if args.verification_cost:
         print(json.dumps(verification_cost(args.threads), indent=1))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        runs = [json.loads((Path(d) / "results.json").read_text()) for d in args.merge]
+        # one row per (arm, seed): a later folder's run replaces an earlier one's
+        rows = list({(row["arm"], row["seed"]): row for r in runs for row in r["rows"]}.values())
+        (out / "results.json").write_text(json.dumps({"merged": args.merge, "rows": rows}, indent=1))
+        (out / "table.md").write_text(table(rows) + "\n")
+        print(table(rows))
+        return 0
     rows = []
     for seed in args.seeds:
         for name in args.arms:

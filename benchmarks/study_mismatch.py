@@ -22,6 +22,8 @@ import statistics
 import time
 from pathlib import Path
 
+from bitrl.benchmarks.stats import mean_ci95
+
 # Corrections compared, by their registered names: each carries the usual defaults from the papers
 # (kernels/core_algos.py LossConfig: TIS cap 2, sequence MIS bounds 0.5-2, IcePop 0.5-5, AIS).
 CORRECTIONS = ["none", "tis", "seq-mis", "icepop", "ais"]
@@ -71,10 +73,6 @@ def run_one(
     }
 
 
-# two-sided 95% Student t quantiles by degrees of freedom
-_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20}
-
-
 def paired_gaps(results: list[dict], key: str, baseline=("full", "none")) -> list[tuple]:
     """Per (precision, correction): mean and 95% CI of (cell - baseline) over the seeds both ran, in points.
     Pairing by seed removes the shared warm start and data order from the comparison."""
@@ -89,10 +87,8 @@ def paired_gaps(results: list[dict], key: str, baseline=("full", "none")) -> lis
             for r in results
             if (r["precision"], r["correction"]) == cell and r["seed"] in base
         ]
-        if len(gaps) < 2:
-            continue
-        half = _T95.get(len(gaps) - 1, 2.0) * statistics.stdev(gaps) / len(gaps) ** 0.5
-        rows.append((*cell, len(gaps), statistics.mean(gaps), half))
+        if len(gaps) >= 2:
+            rows.append((*cell, len(gaps), *mean_ci95(gaps)))
     return rows
 
 
