@@ -23,7 +23,7 @@ from pathlib import Path
 from bitrl.benchmarks.stats import mean_ci95
 
 
-def _reuse(mode: str, lenience: float, refresh_flat: bool = False) -> list[str]:
+def _reuse(mode: str, lenience: float, refresh_flat: bool = True) -> list[str]:
     return [
         "rollout.reuse.enabled=true",
         f"rollout.reuse.mode={mode}",
@@ -32,20 +32,21 @@ def _reuse(mode: str, lenience: float, refresh_flat: bool = False) -> list[str]:
     ]
 
 
-# arm name -> config overrides. Every arm prefills each distinct prompt once (the engine always does), so the
-# arms differ only in what the drafts save. Exact mode with lenience < 1 accepts less of each draft: it stays
-# exact and trades speed for fresher samples. "refresh flat" samples signal-free groups afresh.
+# arm name -> config overrides. Every arm prefills each distinct prompt once and drops finished rows from
+# the decode batch (the engine always does), so the arms differ only in what the drafts save. Reuse arms
+# refresh signal-free groups (the default) unless they say "no refresh". Exact mode with lenience < 1
+# accepts less of each draft: it stays exact and trades speed for fresher samples.
 ARMS = {
     "no reuse": ["rollout.reuse.enabled=false"],
+    "exact l=1": _reuse("exact", 1.0),
     "spec-rl l=1": _reuse("spec-rl", 1.0),
+    "exact l=1, no refresh": _reuse("exact", 1.0, refresh_flat=False),
+    "spec-rl l=1, no refresh": _reuse("spec-rl", 1.0, refresh_flat=False),
+    "exact l=0.8": _reuse("exact", 0.8),
+    "exact l=0.5": _reuse("exact", 0.5),
     "spec-rl l=e^0.5": _reuse("spec-rl", math.exp(0.5)),
     "spec-rl l=2": _reuse("spec-rl", 2.0),
     "spec-rl l=4": _reuse("spec-rl", 4.0),
-    "exact l=1": _reuse("exact", 1.0),
-    "exact l=0.8": _reuse("exact", 0.8),
-    "exact l=0.5": _reuse("exact", 0.5),
-    "spec-rl l=1, refresh flat": _reuse("spec-rl", 1.0, refresh_flat=True),
-    "exact l=1, refresh flat": _reuse("exact", 1.0, refresh_flat=True),
 }
 
 
@@ -194,10 +195,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def verification_cost(threads: int = 1, reps: int = 20) -> dict:
+def verification_cost(threads: int = 1, overrides: list[str] = (), reps: int = 20) -> dict:
     """The floor of reuse on this machine: rollout time when every draft is accepted (drafts sampled by the
-    same policy), against fresh generation and against the shared prompt prefill alone. Demo model after
-    its warm start, 32 prompts x 8 samples. Returns milliseconds per rollout (thread CPU time)."""
+    same policy, so nothing is left to decode), against fresh generation and against the shared prompt
+    prefill alone. Demo model after its warm start, prompts_per_step x group_size rows (config `overrides`
+    change them: `warmstart.steps=0 rollout.max_new_tokens=64` gives long responses from an untrained
+    model). Returns milliseconds per rollout: CPU time of the calling thread on a CPU, synchronised wall time
+    on a GPU; and the number of sequential model forwards per rollout."""
     import random
 
     import torch
@@ -210,10 +214,11 @@ def verification_cost(threads: int = 1, reps: int = 20) -> dict:
     from bitrl.rollout.reuse import generate_with_drafts
 
     torch.set_num_threads(threads)
-    cfg = load_config()
+    cfg = load_config(None, list(overrides))
     policy, tokenizer, task = build(cfg)
     warm_start(policy, tokenizer, task, cfg, log=lambda *a: None)
     policy.eval()
+    device = next(policy.parameters()).device
     rng = random.Random(0)
     problems = [task.sample(rng) for _ in range(cfg.rollout.prompts_per_step)]
     prompts = encode_prompts(
@@ -223,24 +228,43 @@ def verification_cost(threads: int = 1, reps: int = 20) -> dict:
         max_new_tokens=cfg.rollout.max_new_tokens,
         eos_id=tokenizer.eos_token_id,
         pad_id=tokenizer.pad_token_id,
+        generator=torch.Generator(device).manual_seed(0),
     )
-    gen = torch.Generator().manual_seed(0)
-    _, _, drafts = generate_with_drafts(policy, prompts, [None] * len(prompts), generator=gen, **kw)
+    _, _, drafts = generate_with_drafts(policy, prompts, [None] * len(prompts), **kw)
+    cuda = device.type == "cuda"
 
-    def ms(fn):
+    def clock() -> float:
+        if cuda:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return time.thread_time()
+
+    def measure(fn) -> tuple[float, int]:
+        count = [0]
+        hook = policy.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
         fn()
-        t = time.thread_time()
+        count[0] = 0
+        t = clock()
         for _ in range(reps):
             fn()
-        return 1e3 * (time.thread_time() - t) / reps
+        elapsed = clock() - t
+        hook.remove()
+        return 1e3 * elapsed / reps, count[0] // reps
 
+    fresh_ms, fresh_fw = measure(lambda: generate(policy, prompts, **kw))
+    reuse_ms, reuse_fw = measure(lambda: generate_with_drafts(policy, prompts, drafts, **kw))
+    prefill_ms, _ = measure(lambda: prefill_distinct(policy, prompts, tokenizer.pad_token_id))
     return {
-        "fresh_generation_ms": ms(lambda: generate(policy, prompts, generator=gen, **kw)),
-        "all_drafts_accepted_ms": ms(
-            lambda: generate_with_drafts(policy, prompts, drafts, generator=gen, **kw)
-        ),
-        "prompt_prefill_ms": ms(lambda: prefill_distinct(policy, prompts, tokenizer.pad_token_id)),
+        "device": str(device),
+        "rows": len(prompts),
         "mean_response_tokens": sum(d.num_tokens for d in drafts) / len(drafts),
+        "max_response_tokens": max(d.num_tokens for d in drafts),
+        "fresh_generation_ms": fresh_ms,
+        "all_drafts_accepted_ms": reuse_ms,
+        "prompt_prefill_ms": prefill_ms,
+        "speedup_all_accepted": fresh_ms / reuse_ms,
+        "forwards_fresh": fresh_fw,
+        "forwards_all_accepted": reuse_fw,
     }
 
 
@@ -264,7 +288,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if args.verification_cost:
-        print(json.dumps(verification_cost(args.threads), indent=1))
+        print(json.dumps(verification_cost(args.threads, args.set), indent=1))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

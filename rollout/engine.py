@@ -115,7 +115,10 @@ def generate(
     next_pos = attn.sum(-1, keepdim=True)
     tokens, logps, alive_cols = [], [], []
     alive = torch.ones(batch, dtype=torch.bool, device=device)
+    in_cache = torch.arange(batch, device=device)  # the rows the KV cache holds, in its order
     for _ in range(max_new_tokens):
+        # Every row is sampled, finished ones too (their stale logits are ignored), so the random stream
+        # does not depend on which rows are still decoding.
         tok, lp = sample_tokens(
             logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
         )
@@ -126,11 +129,16 @@ def generate(
         alive &= tok != eos_id
         if not alive.any() or len(tokens) == max_new_tokens:
             break
+        in_cache, attn, next_pos = drop_finished_rows(cache, in_cache, alive, attn, next_pos)
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
         out = model(
-            input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos, cache=cache, use_cache=True
+            input_ids=tok[in_cache, None],
+            attention_mask=attn,
+            position_ids=next_pos,
+            cache=cache,
+            use_cache=True,
         )
-        logits = out.logits[:, -1]
+        logits = logits.index_copy(0, in_cache, out.logits[:, -1].to(logits.dtype))
         next_pos = next_pos + 1
     return Rollout(
         prompt_ids=prompt_ids,
@@ -139,3 +147,19 @@ def generate(
         response_mask=torch.stack(alive_cols, 1),
         logprobs=torch.stack(logps, 1),
     )
+
+
+def drop_finished_rows(cache, in_cache: torch.Tensor, alive: torch.Tensor, *per_row: torch.Tensor):
+    """Drop finished rows from the KV cache once at most 3/4 of the rows it holds are alive, so a decode
+    step costs what its live rows cost; shrinking geometrically bounds the copying to a few cache sizes.
+
+    in_cache [C] int64: the batch rows the cache holds, in its order; alive [B] bool over the whole batch;
+    per_row: tensors [C, ...] aligned with the cache. Returns (in_cache, *per_row), selected alike.
+    """
+    keep = alive[in_cache]
+    live = int(keep.sum())
+    if live > 0.75 * len(in_cache):
+        return (in_cache, *per_row)
+    index = keep.nonzero().squeeze(-1)
+    cache.batch_select_indices(index)
+    return (in_cache[index], *(t[index] for t in per_row))

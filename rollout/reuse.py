@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bitrl.rollout.engine import Rollout, prefill_distinct
+from bitrl.rollout.engine import Rollout, drop_finished_rows, prefill_distinct
 from bitrl.rollout.sampling import filtered_logprobs
 
 MODES = ("spec-rl", "exact")
@@ -390,7 +390,10 @@ def generate_with_drafts(
             logp = _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, device)
         budget = max_new_tokens - a_acc
         alive = torch.ones(len(active), dtype=torch.bool, device=device)
+        in_cache = torch.arange(len(active), device=device)  # the resumed rows the KV cache holds
         while True:
+            # Every resumed row is sampled, finished ones too: the random stream does not depend on which
+            # rows still decode.
             tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
             tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
             lp = step_logp.gather(-1, tok[:, None]).squeeze(-1)
@@ -402,9 +405,10 @@ def generate_with_drafts(
             alive &= (tok != eos_id) & (len(cont_tokens) < budget)
             if not alive.any():
                 break
+            in_cache, attn, pos = drop_finished_rows(cache, in_cache, alive, attn, pos)
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
             out = model(
-                input_ids=tok[:, None],
+                input_ids=tok[in_cache, None],
                 attention_mask=attn,
                 position_ids=pos[:, None],
                 cache=cache,
@@ -412,8 +416,8 @@ def generate_with_drafts(
             )
             decode_steps += 1
             pos = pos + 1
-            step_logp = filtered_logprobs(out.logits[:, -1], temperature, top_k, top_p)
-            logp = step_logp
+            new_rows = filtered_logprobs(out.logits[:, -1], temperature, top_k, top_p)
+            step_logp = logp = step_logp.index_copy(0, in_cache, new_rows)
 
     # ---- 4. assemble: accepted prefix + continuation, log-probs of the current policy everywhere
     steps_c = max(1, len(cont_tokens))
