@@ -284,7 +284,10 @@ def main(argv=None) -> int:
         "--verification-cost", action="store_true", help="only time a rollout whose drafts are all accepted"
     )
     parser.add_argument(
-        "--merge", nargs="+", metavar="DIR", help="only tabulate the results.json of these folders into --out"
+        "--merge",
+        nargs="+",
+        metavar="PATH",
+        help="only tabulate these results.json files (or the results.json of these folders) into --out",
     )
     args = parser.parse_args(argv)
     if args.verification_cost:
@@ -293,7 +296,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:
-        runs = [json.loads((Path(d) / "results.json").read_text()) for d in args.merge]
+        paths = [Path(d) / "results.json" if Path(d).is_dir() else Path(d) for d in args.merge]
+        runs = [json.loads(path.read_text()) for path in paths]
         # one row per (arm, seed): a later folder's run replaces an earlier one's
         rows = list({(row["arm"], row["seed"]): row for r in runs for row in r["rows"]}.values())
         (out / "results.json").write_text(json.dumps({"merged": args.merge, "rows": rows}, indent=1))
