@@ -6,8 +6,7 @@ in one process, seed by seed, so their timings share the machine's conditions.
 
     python benchmarks/bench_reuse.py --epochs 6 --seeds 0 1 --out runs/bench_reuse
 
-writes results.json and table.md into --out. As a pytest module it holds one quick check that the script
-runs.
+writes results.json and table.md into --out (its smoke test: tests/test_benchmarks.py).
 """
 
 from __future__ import annotations
@@ -321,34 +320,6 @@ def main(argv=None) -> int:
     (out / "table.md").write_text(header + text + "\n")
     print(header + text)
     return 0
-
-
-def test_bench_reuse_script_runs(tmp_path, monkeypatch):
-    """Two tiny arms for two epochs: the script runs end to end and writes its table."""
-    tiny = [
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_layers=1",
-        "model.num_heads=2",
-        "model.num_kv_heads=1",
-        "task.n_eval=16",
-        "warmstart.steps=10",
-        "warmstart.target_accuracy=null",
-        "rollout.group_size=2",
-    ]
-    args = ["--epochs", "2", "--prompts", "8", "--prompts-per-step", "4", "--seeds", "0"]
-    args += [
-        "--arms",
-        "no reuse",
-        "spec-rl l=1",
-        "exact l=0.5",
-        "--out",
-        str(tmp_path),
-        "--set",
-        *tiny,
-    ]
-    assert main(args) == 0
-    assert "spec-rl l=1" in (tmp_path / "table.md").read_text()
 
 
 if __name__ == "__main__":

@@ -15,8 +15,3 @@ def mean_ci95(values: list[float]) -> tuple[float, float]:
         raise ValueError(f"a confidence interval needs at least two values, got {len(values)}")
     half = _T95.get(len(values) - 1, 2.0) * statistics.stdev(values) / len(values) ** 0.5
     return statistics.mean(values), half
-
-
-def test_mean_ci95_by_hand():
-    mean, half = mean_ci95([1.0, 3.0])  # sd sqrt(2), t(1) 12.71
-    assert mean == 2.0 and abs(half - 12.71 * 2**0.5 / 2**0.5) < 1e-9

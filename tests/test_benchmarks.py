@@ -1,0 +1,51 @@
+"""Smoke tests of the benchmark scripts at tiny sizes: they run end to end and tabulate what they measured
+(their figures come from running them, never from tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bitrl.benchmarks import bench_reuse
+from bitrl.benchmarks.stats import mean_ci95
+
+TINY = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "task.n_eval=16",
+    "warmstart.steps=10",
+    "warmstart.target_accuracy=null",
+    "rollout.group_size=2",
+]
+
+
+def test_mean_ci95_by_hand():
+    mean, half = mean_ci95([1.0, 3.0])  # sd sqrt(2), n 2, t(1) 12.71: half-width 12.71
+    assert mean == 2.0 and half == pytest.approx(12.71)
+    with pytest.raises(ValueError, match="at least two"):
+        mean_ci95([1.0])
+
+
+def test_bench_reuse_runs_and_merges_seeds(tmp_path):
+    """Two arms, two seeds in two runs, then one merged table with the gap paired by seed."""
+    for seed in ("0", "1"):
+        args = ["--epochs", "2", "--prompts", "8", "--prompts-per-step", "4", "--seeds", seed]
+        args += ["--arms", "no reuse", "exact l=1", "--out", str(tmp_path / seed), "--set", *TINY]
+        assert bench_reuse.main(args) == 0
+    merge = ["--merge", str(tmp_path / "0"), str(tmp_path / "1"), "--out", str(tmp_path)]
+    assert bench_reuse.main(merge) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert sorted((r["arm"], r["seed"]) for r in rows) == [
+        ("exact l=1", 0),
+        ("exact l=1", 1),
+        ("no reuse", 0),
+        ("no reuse", 1),
+    ]
+    reuse = [r for r in rows if r["arm"] == "exact l=1"]
+    assert all(0.0 <= r["full_reuse_frac"] <= 1.0 and r["generated_over_returned"] <= 1.0 for r in reuse)
+    line = next(x for x in (tmp_path / "table.md").read_text().splitlines() if x.startswith("| exact l=1 |"))
+    assert "| 2 |" in line and " ± " in line  # two seeds, and a paired gap with its interval
