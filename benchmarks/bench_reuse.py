@@ -12,6 +12,7 @@ writes results.json and table.md into --out (its smoke test: tests/test_benchmar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -49,6 +50,17 @@ ARMS = {
 }
 
 
+@contextlib.contextmanager
+def counting_forwards(model):
+    """Counts the model's forward calls while the block runs: yields a one-element list holding the count."""
+    count = [0]
+    hook = model.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    try:
+        yield count
+    finally:
+        hook.remove()
+
+
 class RolloutClock:
     """Wall and thread CPU time of every rollout call of the loop. With threads=1 the CPU time of the calling
     thread is the rollout's compute, whatever else runs on the machine; it is the figure to compare."""
@@ -62,13 +74,9 @@ class RolloutClock:
 
         def timed(*a, **k):
             model = next(x for x in a if isinstance(x, torch.nn.Module))
-            count = [0]
-            hook = model.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
             w, c = time.perf_counter(), time.thread_time()
-            try:
+            with counting_forwards(model) as count:
                 out = fn(*a, **k)
-            finally:
-                hook.remove()
             self.calls.append((time.perf_counter() - w, time.thread_time() - c))
             self.forwards.append(count[0])
             return out
@@ -239,15 +247,12 @@ def verification_cost(threads: int = 1, overrides: list[str] = (), reps: int = 2
         return time.thread_time()
 
     def measure(fn) -> tuple[float, int]:
-        count = [0]
-        hook = policy.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
-        fn()
-        count[0] = 0
-        t = clock()
-        for _ in range(reps):
-            fn()
-        elapsed = clock() - t
-        hook.remove()
+        fn()  # warm-up
+        with counting_forwards(policy) as count:
+            t = clock()
+            for _ in range(reps):
+                fn()
+            elapsed = clock() - t
         return 1e3 * elapsed / reps, count[0] // reps
 
     fresh_ms, fresh_fw = measure(lambda: generate(policy, prompts, **kw))

@@ -10,6 +10,16 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("BITRL_CACHE", str(tmp_path_factory.getbasetemp() / "bitrl-cache"))
 
 
+# Config overrides that shrink the demo model to one small layer, for tests that run the RL loop.
+TINY_DEMO_MODEL = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+]
+
+
 def make_qwen(seed: int = 0, **config):
     """A Qwen2 causal LM with random weights (seeded), fp32, eval mode; `config` overrides Qwen2Config."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

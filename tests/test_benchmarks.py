@@ -6,16 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import TINY_DEMO_MODEL
 
 from bitrl.benchmarks import bench_reuse
 from bitrl.benchmarks.stats import mean_ci95
 
 TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
+    *TINY_DEMO_MODEL,
     "task.n_eval=16",
     "warmstart.steps=10",
     "warmstart.target_accuracy=null",

@@ -9,14 +9,11 @@ import sys
 import time
 
 import pytest
+from conftest import TINY_DEMO_MODEL
 
 TIMING = {"tokens_per_s", "rollout_time_s", "step_time_s", "reuse_verify_time_s", "reuse_rollout_time_s"}
 TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
+    *TINY_DEMO_MODEL,
     "task.n_eval=24",
     "warmstart.steps=30",
     "warmstart.target_accuracy=null",

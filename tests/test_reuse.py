@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import TINY_DEMO_MODEL
 
 from bitrl.rollout.engine import generate
 from bitrl.rollout.reuse import (
@@ -445,11 +446,7 @@ def test_refresh_flat_drops_the_drafts_of_groups_without_signal(tmp_path, refres
     cfg = load_config(
         None,
         [
-            "model.hidden_size=32",
-            "model.intermediate_size=64",
-            "model.num_layers=1",
-            "model.num_heads=2",
-            "model.num_kv_heads=1",
+            *TINY_DEMO_MODEL,
             "task.n_eval=8",
             "warmstart.steps=0",
             "rollout.prompts_per_step=4",
