@@ -58,20 +58,26 @@ def left_pad(sequences: list[list[int]], pad_id: int, device=None):
     return ids.to(device), mask.to(device)
 
 
-@torch.no_grad()
-def prefill_distinct(model, prompts: list[list[int]], pad_id: int):
-    """Prefill each distinct prompt once (the G samples of a GRPO group share one), with a fresh KV cache.
-
-    Returns (cache, last_logits [U, V], ids [U, P] int64 left-padded, mask [U, P] bool, row_of [B] int64):
-    U distinct prompts in order of first appearance; row_of[b] is the distinct prompt of row b. Expand with
-    `cache.batch_select_indices(row_of)` (or a selection derived from it) before decoding per row.
-    """
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
+def distinct_prompts(prompts: list[list[int]], pad_id: int, device=None):
+    """The distinct prompts, left-padded, in order of first appearance (the G samples of a GRPO group share
+    one). Returns (ids [U, P] int64, mask [U, P] bool, row_of [B] int64: the distinct prompt of row b)."""
     index: dict = {}
     row_of = [index.setdefault(tuple(p), len(index)) for p in prompts]
     ids, mask = left_pad([list(p) for p in index], pad_id, device)
+    return ids, mask, torch.tensor(row_of, dtype=torch.long, device=device)
+
+
+@torch.no_grad()
+def prefill_distinct(model, prompts: list[list[int]], pad_id: int):
+    """Prefill each distinct prompt once, with a fresh KV cache.
+
+    Returns (cache, last_logits [U, V], ids [U, P] int64 left-padded, mask [U, P] bool, row_of [B] int64) as
+    `distinct_prompts` does. Expand with `cache.batch_select_indices(row_of)` (or a selection derived from
+    it) before decoding per row.
+    """
+    from transformers import DynamicCache
+
+    ids, mask, row_of = distinct_prompts(prompts, pad_id, next(model.parameters()).device)
     attn = mask.long()
     cache = DynamicCache(config=model.config)
     out = model(
@@ -82,7 +88,7 @@ def prefill_distinct(model, prompts: list[list[int]], pad_id: int):
         use_cache=True,
         logits_to_keep=1,
     )
-    return cache, out.logits[:, -1], ids, mask, torch.tensor(row_of, dtype=torch.long, device=device)
+    return cache, out.logits[:, -1], ids, mask, row_of
 
 
 @torch.no_grad()

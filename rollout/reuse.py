@@ -4,19 +4,20 @@ For every prompt seen before, the rollout cache holds the response sampled for i
 it was sampled with (pi_old) and, for the "exact" mode, the top-k of the old sampling distribution at each
 position. `generate_with_drafts` then
 
-1. verifies all drafts in ONE batched forward: each distinct prompt is prefilled once (the G samples of a
-   group share it), its KV cache is expanded to the distinct (prompt, draft) sequences, and one forward over
-   the drafts (right-padded, per-row positions) gives pi_new at every draft position (rows without a draft
-   are just prefilled; identical drafts of a group are scored once);
+1. verifies all drafts in ONE forward, prompts included: each distinct prompt is one row, followed by the
+   prefix tree of its rows' drafts (`DraftTree`: the G samples of a group often share their first tokens or
+   their whole response, and each shared prefix is scored once). A 4D attention mask lets each tree node see
+   the prompt and its ancestors, and its position is the prompt length plus its depth, so pi_new at every
+   node is what a plain forward over that row's own sequence gives;
 2. accepts draft token i if u_i <= min(1, lenience * pi_new(y_i) / pi_old(y_i)), tested in log space, with
    u_i drawn from the rollout generator; the accepted prefix is the run of accepted tokens before the first
    rejection;
 3. returns fully accepted, finished drafts as they are, and resumes generation for the other rows at their
-   first rejected position, reusing the verification KV cache (no second prefill). The cache layout is
-   [left-padded prompt | draft columns]: rejected draft columns stay in the cache but are masked out of
-   attention and every row keeps its own position counter, so per-row accepted lengths need no copying of
-   the cache. Draft columns after the longest accepted prefix are cropped, and rows that need no generation
-   are dropped from the cache before decoding.
+   first rejected position, reusing the verification KV cache (no second prefill). Each resumed row takes a
+   copy of its prompt's cache row [left-padded prompt | tree nodes] and attends to the prompt and to the
+   nodes of its accepted prefix only; every row keeps its own position counter, so no cache columns are
+   moved. Nodes after the last one any resumed row needs are cropped, and rows that need no generation are
+   dropped from the cache before decoding.
 
 At the first rejected position the "spec-rl" mode samples from pi_new (SPEC-RL); the "exact" mode samples
 from the residual norm(max(0, pi_new - min(pi_old, lenience * pi_new))), which is plain speculative sampling
@@ -42,8 +43,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
-from bitrl.rollout.engine import Rollout, drop_finished_rows, prefill_distinct
+from bitrl.rollout.engine import Rollout, distinct_prompts, drop_finished_rows, position_ids_from_mask
 from bitrl.rollout.sampling import filtered_logprobs
 
 MODES = ("spec-rl", "exact")
@@ -255,6 +257,98 @@ def _top(logp: torch.Tensor, k: int):
     return ids, values.float()
 
 
+@dataclass
+class DraftTree:
+    """The drafts of each distinct prompt merged into one prefix tree: the G samples of a group often share
+    their first tokens or their whole response, and each shared prefix is scored once.
+
+    tokens [U, N] int64: node j's token (pad_id past a prompt's nodes); parent [U, N] int64: its parent node
+    (-1 for a first token and for padding); depth [U, N] int64: its response position; path [B, D] int64:
+    the node of each position of row b's draft (-1 past its length). A parent precedes its children.
+    """
+
+    tokens: torch.Tensor
+    parent: torch.Tensor
+    depth: torch.Tensor
+    path: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @classmethod
+    def build(cls, prompt_of_row: list[int], drafts: list[list[int]], num_prompts: int, pad_id: int, device):
+        """prompt_of_row[b]: the distinct prompt of row b; drafts[b]: its draft tokens (may be empty)."""
+        index = [{} for _ in range(num_prompts)]  # (parent, token) -> node, per prompt
+        tokens = [[] for _ in range(num_prompts)]
+        parent = [[] for _ in range(num_prompts)]
+        paths = []
+        for u, draft in zip(prompt_of_row, drafts):
+            node, path = -1, []
+            for token in draft:
+                child = index[u].setdefault((node, token), len(tokens[u]))
+                if child == len(tokens[u]):
+                    tokens[u].append(token)
+                    parent[u].append(node)
+                node = child
+                path.append(node)
+            paths.append(path)
+        width_n = max(len(t) for t in tokens)
+        width_d = max(len(p) for p in paths)
+        depth = [[0] * len(t) for t in tokens]
+        for u, draft_path in zip(prompt_of_row, paths):
+            for i, node in enumerate(draft_path):
+                depth[u][node] = i
+
+        def pad(rows: list[list[int]], width: int, fill: int) -> torch.Tensor:
+            return torch.tensor(
+                [r + [fill] * (width - len(r)) for r in rows], dtype=torch.long, device=device
+            )
+
+        return cls(
+            pad(tokens, width_n, pad_id),
+            pad(parent, width_n, -1),
+            pad(depth, width_n, 0),
+            pad(paths, width_d, -1),
+        )
+
+    def attention(self, prompt_mask: torch.Tensor) -> torch.Tensor:
+        """[U, 1, P+N, P+N] bool, True where a query may attend to a key, over [left-padded prompt | nodes]:
+        prompt tokens attend causally to the prompt, a node to the prompt and to its ancestors and itself.
+        Padding attends to itself only, so no row of the mask is empty (an empty row gives NaN)."""
+        u, n = self.tokens.shape
+        p = prompt_mask.shape[1]
+        device = self.tokens.device
+        # ancestors-or-self by pointer jumping, one level per step; column n collects finished chains
+        ancestors = torch.zeros((u, n, n + 1), dtype=torch.bool, device=device)
+        node = torch.arange(n, device=device).expand(u, n)
+        for _ in range(int(self.depth.max()) + 1 if n else 0):
+            ancestors.scatter_(2, torch.where(node >= 0, node, n)[..., None], True)
+            node = torch.where(node >= 0, self.parent.gather(1, node.clamp(min=0)), node)
+        eye_p = torch.eye(p, dtype=torch.bool, device=device)
+        prompt_rows = (torch.tril(torch.ones_like(eye_p)) & prompt_mask[:, None, :]) | eye_p
+        node_rows = torch.cat([prompt_mask[:, None, :].expand(u, n, p), ancestors[..., :n]], dim=2)
+        top = torch.cat([prompt_rows, prompt_rows.new_zeros((u, p, n))], dim=2)
+        return torch.cat([top, node_rows], dim=1)[:, None]
+
+
+def _as_attention_mask(allowed: torch.Tensor, model) -> torch.Tensor:
+    """A boolean [B, 1, Q, K] mask in the form the model's attention takes as-is: boolean for SDPA and
+    flex-style implementations, additive for eager attention. FlashAttention takes no such mask."""
+    impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    if "flash" in impl:
+        raise ValueError(
+            f"speculative reuse verifies drafts as a tree with a 4D attention mask, which "
+            f"attn_implementation={impl!r} cannot take; load the rollout model with 'sdpa' or 'eager'"
+        )
+    if impl == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
+    return allowed
+
+
 @torch.no_grad()
 def generate_with_drafts(
     model,
@@ -298,43 +392,27 @@ def generate_with_drafts(
     device = next(model.parameters()).device
     batch = len(prompts)
 
-    # ---- 1. verification: every distinct prompt is prefilled once, then ONE forward over all drafts
+    # ---- 1. verification: ONE forward over each distinct prompt followed by the prefix tree of its drafts
     draft_tokens = [(d.tokens[:max_new_tokens].tolist() if d is not None else []) for d in drafts]
     n = torch.tensor([len(t) for t in draft_tokens], dtype=torch.long, device=device)
-    width_d = int(n.max())
-    # Rows of a group share their prompt, and often their whole draft: compute each distinct one once.
-    cache, last_logits, p_ids, p_mask, prompt_rows = prefill_distinct(model, prompts, pad_id)
-    u_of_row = prompt_rows.tolist()
-    seq_index: dict = {}
-    s_of_row, u_of_seq, seq_drafts = [], [], []
-    for u, t in zip(u_of_row, draft_tokens):
-        s = seq_index.setdefault((u, tuple(t)), len(seq_index))
-        if s == len(u_of_seq):
-            u_of_seq.append(u)
-            seq_drafts.append(t)
-        s_of_row.append(s)
+    width_d = int(max(len(t) for t in draft_tokens))
+    p_ids, p_mask, prompt_rows = distinct_prompts(prompts, pad_id, device)
+    tree = DraftTree.build(prompt_rows.tolist(), draft_tokens, len(p_ids), pad_id, device)
     p_attn = p_mask.long()
     p_len = p_attn.sum(-1)
-    seq_u = torch.tensor(u_of_seq, dtype=torch.long, device=device)
-    logits = last_logits[:, None][seq_u]  # [S, 1, V]: predicts response position 0
-    if len(u_of_seq) != len(p_ids):
-        cache.batch_select_indices(seq_u)
-    attn_seq = p_attn[seq_u]
-    if width_d > 0:
-        d_ids = torch.tensor([t + [pad_id] * (width_d - len(t)) for t in seq_drafts], device=device)
-        n_seq = torch.tensor([len(t) for t in seq_drafts], dtype=torch.long, device=device)
-        steps = torch.arange(width_d, device=device)[None, :]
-        attn_seq = torch.cat([attn_seq, (steps < n_seq[:, None]).long()], dim=1)
-        out = model(
-            input_ids=d_ids,
-            attention_mask=attn_seq,
-            position_ids=p_len[seq_u][:, None] + steps,
-            cache=cache,
-            use_cache=True,
-        )
-        logits = torch.cat([logits, out.logits], dim=1)  # [S, D+1, V]: column i predicts position i
-    row_s = torch.tensor(s_of_row, dtype=torch.long, device=device)
-    logp_new = filtered_logprobs(logits, temperature, top_k, top_p)[row_s]  # [B, D+1, V]
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=torch.cat([p_ids, tree.tokens], dim=1),
+        attention_mask=_as_attention_mask(tree.attention(p_mask), model),
+        position_ids=torch.cat([position_ids_from_mask(p_attn), p_len[:, None] + tree.depth], dim=1),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=tree.num_nodes + 1,
+    )
+    # [U, N+1, V]: column 0 predicts a response's first token, column 1 + j the token after node j
+    node_logp = filtered_logprobs(out.logits, temperature, top_k, top_p)
+    # [B, D+1]: the column of node_logp that predicts response position i of row b's draft
+    col = torch.cat([tree.path.new_zeros((batch, 1)), tree.path + 1], dim=1)
 
     # ---- 2. acceptance
     drafted = torch.tensor(
@@ -345,7 +423,7 @@ def generate_with_drafts(
         batch_first=True,
     ).to(device)
     old_lp = torch.cat([old_lp, old_lp.new_zeros(batch, width_d - old_lp.shape[1])], dim=1)
-    new_lp_drafted = logp_new[:, :width_d].gather(-1, drafted[..., None]).squeeze(-1)
+    new_lp_drafted = node_logp[prompt_rows[:, None], col[:, :width_d], drafted]  # [B, D]
     if width_d > 0:
         gen_device = generator.device if generator is not None else device
         uniforms = torch.rand((batch, width_d), generator=generator, device=gen_device).to(device)
@@ -370,22 +448,23 @@ def generate_with_drafts(
     decode_steps = 0
     if len(active):
         a_acc = accepted_len[active]
-        # Draft columns after the longest accepted prefix of the resumed rows are useless: crop them.
-        drop = width_d - int(a_acc.max())
-        if drop:
-            cache.crop(-drop)
-        sel = row_s[active]
-        if len(sel) != len(u_of_seq) or not torch.equal(sel, torch.arange(len(sel), device=device)):
+        sel = prompt_rows[active]
+        # A resumed row attends to its prompt and the tree nodes of its accepted prefix; the nodes after
+        # the last one any resumed row needs are cropped from the cache.
+        prefix = torch.arange(width_d, device=device)[None, :] < a_acc[:, None]
+        path = torch.where(prefix, tree.path[active], -1)
+        kept = int(path.max()) + 1 if width_d else 0
+        if kept < tree.num_nodes:
+            cache.crop(kept - tree.num_nodes)
+        if len(sel) != len(p_ids) or not torch.equal(sel, torch.arange(len(sel), device=device)):
             cache.batch_select_indices(sel)
-        prompt_width = p_ids.shape[1]
-        attn = attn_seq[sel, : attn_seq.shape[1] - drop].clone()
-        # Mask each row's rejected draft columns (those after its accepted prefix).
-        steps = torch.arange(attn.shape[1] - prompt_width, device=device)[None, :]
-        attn[:, prompt_width:] = (steps < a_acc[:, None]).long()
-        pos = p_len[prompt_rows[active]] + a_acc
+        on_path = torch.zeros((len(active), kept + 1), dtype=torch.long, device=device)
+        on_path.scatter_(1, torch.where(prefix, path, kept), 1)  # column `kept` collects the padding
+        attn = torch.cat([p_attn[sel], on_path[:, :kept]], dim=1)
+        pos = p_len[sel] + a_acc
         # [A, V] the current policy at the resume position: what the returned log-probs are measured under;
         # `logp` is what the token is drawn from (the residual at a rejected position in exact mode)
-        step_logp = logp = logp_new[active, a_acc]
+        step_logp = logp = node_logp[sel, col[active, a_acc]]
         if mode == "exact" and bool(rejected[active].any()):
             logp = _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, device)
         budget = max_new_tokens - a_acc
@@ -455,7 +534,9 @@ def generate_with_drafts(
     lengths = total.tolist()
     top_ids = top_lp = None
     if keep_topk:
-        acc_ids, acc_top = _top(logp_new[:, :width_d], keep_topk)
+        node_ids, node_top = _top(node_logp, keep_topk)  # [U, N+1, K]
+        acc_ids = node_ids[prompt_rows[:, None], col[:, :width_d]]
+        acc_top = node_top[prompt_rows[:, None], col[:, :width_d]]
         k = acc_ids.shape[-1]
         c_ids = torch.zeros((batch, steps_c, k), dtype=torch.long, device=device)
         c_top = torch.full((batch, steps_c, k), float("-inf"), device=device)
@@ -493,11 +574,12 @@ def generate_with_drafts(
 
 def _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, device):
     """Replace the resume distribution of rejected rows by the speculative-sampling residual, all rows in one
-    call. logp: [A, V] the resume distributions of the `active` rows."""
-    picked = [(i, b) for i, b in enumerate(active.tolist()) if bool(rejected[b])]
+    call. logp: [A, V] the resume distributions of the `active` rows; a_acc [A]: their accepted lengths."""
+    picked = rejected[active].nonzero().squeeze(-1)  # positions in `active` (one host sync for all rows)
     known_ids, known_lps = [], []
-    for i, b in picked:  # what is known of pi_old at the rejected position: stored top-k + drafted token
-        d, a = drafts[b], int(a_acc[i])
+    for b, a in zip(active[picked].tolist(), a_acc[picked].tolist()):
+        # what is known of pi_old at the rejected position: stored top-k + the drafted token
+        d = drafts[b]
         ids, lps = d.tokens[a : a + 1].long(), d.logprobs[a : a + 1].float()
         if d.top_ids is not None and d.top_ids.shape[-1]:
             ids = torch.cat([d.top_ids[a].long(), ids])
@@ -509,9 +591,8 @@ def _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, device):
     width = max(len(x) for x in known_ids)
     ids = torch.stack([torch.cat([x, x[-1:].expand(width - len(x))]) for x in known_ids]).to(device)
     lps = torch.stack([torch.cat([x, x[-1:].expand(width - len(x))]) for x in known_lps]).to(device)
-    rows = torch.tensor([i for i, _ in picked], dtype=torch.long, device=device)
     logp = logp.clone()
-    logp[rows] = residual_logprobs(logp[rows], ids, lps, lenience)
+    logp[picked] = residual_logprobs(logp[picked], ids, lps, lenience)
     return logp
 
 

@@ -10,6 +10,7 @@ from conftest import TINY_DEMO_MODEL
 from bitrl.rollout.engine import generate
 from bitrl.rollout.reuse import (
     Draft,
+    DraftTree,
     RolloutCache,
     SpeculativeReuse,
     acceptance,
@@ -134,11 +135,10 @@ def test_resume_from_rejection_equals_fresh_generation(tiny_qwen, top_k, top_p):
         tiny_qwen, PROMPTS, drafts, generator=torch.Generator().manual_seed(11), **sampling
     )
     del tiny_qwen.forward
-    # Verification: the distinct prompts are prefilled once, then one forward over every draft; after that
-    # only single-token decoding steps (no second prefill).
-    assert calls[0] == (len(PROMPTS), max(map(len, PROMPTS)))
-    assert calls[1] == (len(PROMPTS), max(len(d.tokens) for d in drafts if d is not None))
-    assert all(shape[1] == 1 for shape in calls[2:]) and len(calls) > 2
+    # Verification: ONE forward over each (distinct) prompt followed by its draft; after that only
+    # single-token decoding steps (no second prefill).
+    assert calls[0] == (len(PROMPTS), max(map(len, PROMPTS)) + max(len(d.tokens) for d in drafts if d))
+    assert all(shape[1] == 1 for shape in calls[1:]) and len(calls) > 1
 
     expected_acc = [0 if a is None else a for a in accept_at]
     assert stats.accepted.tolist() == expected_acc
@@ -177,6 +177,71 @@ def test_resume_from_rejection_equals_fresh_generation(tiny_qwen, top_k, top_p):
         n = int(m[b].sum())
         assert d.tokens.tolist() == out.response_ids[b, :n].tolist()
         torch.testing.assert_close(d.logprobs, out.logprobs[b, :n])
+
+
+def test_draft_tree_by_hand():
+    # prompt 0: rows 0, 1, 2, 4 with drafts 5-6-7, 5-6-8, 5-6-7, none; prompt 1: row 3 with draft 5
+    tree = DraftTree.build([0, 0, 0, 1, 0], [[5, 6, 7], [5, 6, 8], [5, 6, 7], [5], []], 2, 0, "cpu")
+    assert tree.tokens.tolist() == [[5, 6, 7, 8], [5, 0, 0, 0]]
+    assert tree.parent.tolist() == [[-1, 0, 1, 1], [-1, -1, -1, -1]]
+    assert tree.depth.tolist() == [[0, 1, 2, 2], [0, 0, 0, 0]]
+    assert tree.path.tolist() == [[0, 1, 2], [0, 1, 3], [0, 1, 2], [0, -1, -1], [-1, -1, -1]]
+    # prompt 0 fills both columns, prompt 1 is left-padded: columns [p0, p1 | node 0..3]
+    mask = tree.attention(torch.tensor([[True, True], [False, True]]))[:, 0].int().tolist()
+    assert mask[0][2 + 3] == [1, 1, 1, 1, 0, 1]  # token 8: prompt, its ancestors 5 and 6, itself; not 7
+    assert mask[0][2 + 2] == [1, 1, 1, 1, 1, 0]
+    assert mask[0][1] == [1, 1, 0, 0, 0, 0]  # prompt tokens: causal over the prompt
+    assert mask[1][0] == [1, 0, 0, 0, 0, 0]  # a padding column attends to itself only (no empty row)
+    assert mask[1][1] == [0, 1, 0, 0, 0, 0]
+    assert mask[1][2] == [0, 1, 1, 0, 0, 0]
+    assert mask[1][2 + 2] == [0, 1, 0, 0, 1, 0]  # a padding node: the prompt and itself
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_group_drafts_sharing_prefixes_are_scored_as_one_tree(tiny_qwen, attention):
+    """Rows of a group whose drafts share prefixes: one forward of [distinct prompts, prompt + tree nodes];
+    every row's returned log-probs are those of a plain forward over its own sequence."""
+    tiny_qwen.set_attn_implementation(attention)
+    prompts = [PROMPTS[0]] * 4 + [PROMPTS[2]] * 2
+    sampling = dict(max_new_tokens=M, eos_id=2, pad_id=0)
+    r0 = generate(tiny_qwen, prompts, generator=torch.Generator().manual_seed(1), **sampling)
+    lengths = r0.response_mask.sum(1).tolist()
+    assert min(lengths[:3]) >= 4, "the seed must give drafts long enough to branch"
+    accept_at = [2, 3, 1, None, lengths[4], 0]
+    drafts = _forced_drafts(r0, accept_at)
+    reject_at_3 = torch.full((lengths[0],), -1e4).index_fill(0, torch.tensor([3]), 1e4)
+    drafts[1] = Draft(drafts[0].tokens.clone(), reject_at_3)  # row 0's draft again
+    drafts[2] = Draft(torch.cat([drafts[0].tokens[:2], drafts[2].tokens[2:]]), drafts[2].logprobs)
+
+    def tree_size(group):  # distinct draft prefixes of a group
+        return len({tuple(d.tokens[: i + 1].tolist()) for d in group if d for i in range(len(d.tokens))})
+
+    calls = []
+    forward = tiny_qwen.forward
+    tiny_qwen.forward = lambda *a, **kw: calls.append(kw["input_ids"].shape) or forward(*a, **kw)
+    out, stats, _ = generate_with_drafts(
+        tiny_qwen, prompts, drafts, generator=torch.Generator().manual_seed(8), **sampling
+    )
+    del tiny_qwen.forward
+    assert tree_size(drafts[:4]) < sum(lengths[:3])  # rows 0-2 share prefixes
+    assert calls[0] == (2, len(PROMPTS[2]) + max(tree_size(drafts[:4]), tree_size(drafts[4:])))
+    assert all(shape[1] == 1 for shape in calls[1:])
+    assert stats.accepted.tolist() == [2, 3, 1, 0, lengths[4], 0]
+
+    ids, mask, pos = out.full_sequence()
+    with torch.no_grad():
+        logits = tiny_qwen(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits
+    p = out.prompt_ids.shape[1]
+    ref = torch.log_softmax(logits[:, p - 1 : -1].float(), -1).gather(-1, out.response_ids[..., None])[..., 0]
+    m = out.response_mask
+    torch.testing.assert_close(out.logprobs[m], ref[m], atol=2e-5, rtol=1e-5)
+
+
+def test_tree_verification_refuses_flash_attention(tiny_qwen):
+    tiny_qwen.config._attn_implementation = "flash_attention_2"
+    draft = Draft(torch.tensor([5, 2]), torch.zeros(2))
+    with pytest.raises(ValueError, match="4D attention mask.*flash_attention_2"):
+        generate_with_drafts(tiny_qwen, PROMPTS[:1], [draft], max_new_tokens=4, eos_id=2, pad_id=0)
 
 
 def test_without_drafts_it_is_generate(tiny_qwen):
