@@ -52,9 +52,10 @@ ARMS = {
 
 @contextlib.contextmanager
 def counting_forwards(model):
-    """Counts the model's forward calls while the block runs: yields a one-element list holding the count."""
+    """Counts the model's forward calls while the block runs: yields a one-element list holding the count.
+    Counted on the base model, which every forward goes through (reuse verification calls it directly)."""
     count = [0]
-    hook = model.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    hook = model.base_model.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
     try:
         yield count
     finally:

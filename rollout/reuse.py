@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from bitrl.rollout.engine import Rollout, distinct_prompts, drop_finished_rows, position_ids_from_mask
+from bitrl.rollout.engine import Rollout, distinct_prompts, drop_finished_rows
 from bitrl.rollout.sampling import filtered_logprobs
 
 MODES = ("spec-rl", "exact")
@@ -259,29 +259,44 @@ def _top(logp: torch.Tensor, k: int):
 
 @dataclass
 class DraftTree:
-    """The drafts of each distinct prompt merged into one prefix tree: the G samples of a group often share
-    their first tokens or their whole response, and each shared prefix is scored once.
+    """Every draft of a rollout, laid out for ONE verification forward.
 
-    tokens [U, N] int64: node j's token (pad_id past a prompt's nodes); parent [U, N] int64: its parent node
-    (-1 for a first token and for padding); depth [U, N] int64: its response position; path [B, D] int64:
-    the node of each position of row b's draft (-1 past its length). A parent precedes its children.
+    The drafts of each distinct prompt are merged into a prefix tree (the G samples of a group often share
+    their first tokens or their whole response; each shared prefix is scored once). A prompt followed by its
+    tree nodes is a segment; segments are packed, longest first, into rows no longer than the longest
+    segment, so the forward carries little padding. A node attends to its segment's prompt, its ancestors
+    and itself, at position prompt length + depth: its hidden state is what a plain forward over its own
+    sequence gives.
+
+    ids, position [R, C] int64: the packed rows (pad_id / 0 in padding); segment [R, C] int64: the prompt
+    of each column (-1 in padding); parent [R, C] int64: the column of a node's parent node (-1 for prompt
+    tokens, first tokens and padding); is_node [R, C] bool.
+    row, start, prompt_len [U] int64: where prompt u's segment lies; its nodes follow its prompt.
+    num_nodes [U] int64; path [B, D] int64: the node of each position of row b's draft (-1 past its end).
     """
 
-    tokens: torch.Tensor
+    ids: torch.Tensor
+    position: torch.Tensor
+    segment: torch.Tensor
     parent: torch.Tensor
-    depth: torch.Tensor
+    is_node: torch.Tensor
+    row: torch.Tensor
+    start: torch.Tensor
+    prompt_len: torch.Tensor
+    num_nodes: torch.Tensor
     path: torch.Tensor
 
-    @property
-    def num_nodes(self) -> int:
-        return self.tokens.shape[1]
-
     @classmethod
-    def build(cls, prompt_of_row: list[int], drafts: list[list[int]], num_prompts: int, pad_id: int, device):
-        """prompt_of_row[b]: the distinct prompt of row b; drafts[b]: its draft tokens (may be empty)."""
-        index = [{} for _ in range(num_prompts)]  # (parent, token) -> node, per prompt
+    def build(
+        cls, prompts: list[list[int]], prompt_of_row: list[int], drafts: list[list[int]], pad_id: int, device
+    ):
+        """prompts: the U distinct prompts; prompt_of_row[b]: row b's prompt; drafts[b]: its draft tokens
+        (may be empty)."""
+        num_prompts = len(prompts)
+        index = [{} for _ in range(num_prompts)]  # (parent node, token) -> node, per prompt
         tokens = [[] for _ in range(num_prompts)]
         parent = [[] for _ in range(num_prompts)]
+        depth = [[] for _ in range(num_prompts)]
         paths = []
         for u, draft in zip(prompt_of_row, drafts):
             node, path = -1, []
@@ -290,46 +305,92 @@ class DraftTree:
                 if child == len(tokens[u]):
                     tokens[u].append(token)
                     parent[u].append(node)
+                    depth[u].append(len(path))
                 node = child
                 path.append(node)
             paths.append(path)
-        width_n = max(len(t) for t in tokens)
+
+        # first fit, longest segment first, into rows as long as the longest segment
+        length = [len(p) + len(t) for p, t in zip(prompts, tokens)]
+        width = max(length)
+        used: list[int] = []
+        row, start = [0] * num_prompts, [0] * num_prompts
+        for u in sorted(range(num_prompts), key=lambda u: -length[u]):
+            r = next((r for r, n in enumerate(used) if n + length[u] <= width), len(used))
+            if r == len(used):
+                used.append(0)
+            row[u], start[u] = r, used[r]
+            used[r] += length[u]
+
+        shape = (len(used), width)
+        ids, position = [[pad_id] * width for _ in used], [[0] * width for _ in used]
+        segment, parent_col = [[-1] * width for _ in used], [[-1] * width for _ in used]
+        for u, prompt in enumerate(prompts):
+            r, first = row[u], start[u] + len(prompt)  # first: the column of node 0
+            ids[r][start[u] : first] = prompt
+            position[r][start[u] : first] = range(len(prompt))
+            ids[r][first : first + len(tokens[u])] = tokens[u]
+            position[r][first : first + len(tokens[u])] = [len(prompt) + d for d in depth[u]]
+            segment[r][start[u] : first + len(tokens[u])] = [u] * (len(prompt) + len(tokens[u]))
+            parent_col[r][first : first + len(tokens[u])] = [first + q if q >= 0 else -1 for q in parent[u]]
+        is_node = torch.zeros(shape, dtype=torch.bool)
+        for u, prompt in enumerate(prompts):
+            first = start[u] + len(prompt)
+            is_node[row[u], first : first + len(tokens[u])] = True
+
+        def tensor(x) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=device)
+
         width_d = max(len(p) for p in paths)
-        depth = [[0] * len(t) for t in tokens]
-        for u, draft_path in zip(prompt_of_row, paths):
-            for i, node in enumerate(draft_path):
-                depth[u][node] = i
-
-        def pad(rows: list[list[int]], width: int, fill: int) -> torch.Tensor:
-            return torch.tensor(
-                [r + [fill] * (width - len(r)) for r in rows], dtype=torch.long, device=device
-            )
-
         return cls(
-            pad(tokens, width_n, pad_id),
-            pad(parent, width_n, -1),
-            pad(depth, width_n, 0),
-            pad(paths, width_d, -1),
+            ids=tensor(ids),
+            position=tensor(position),
+            segment=tensor(segment),
+            parent=tensor(parent_col),
+            is_node=is_node.to(device),
+            row=tensor(row),
+            start=tensor(start),
+            prompt_len=tensor([len(p) for p in prompts]),
+            num_nodes=tensor([len(t) for t in tokens]),
+            path=tensor([p + [-1] * (width_d - len(p)) for p in paths]),
         )
 
-    def attention(self, prompt_mask: torch.Tensor) -> torch.Tensor:
-        """[U, 1, P+N, P+N] bool, True where a query may attend to a key, over [left-padded prompt | nodes]:
-        prompt tokens attend causally to the prompt, a node to the prompt and to its ancestors and itself.
-        Padding attends to itself only, so no row of the mask is empty (an empty row gives NaN)."""
-        u, n = self.tokens.shape
-        p = prompt_mask.shape[1]
-        device = self.tokens.device
-        # ancestors-or-self by pointer jumping, one level per step; column n collects finished chains
-        ancestors = torch.zeros((u, n, n + 1), dtype=torch.bool, device=device)
-        node = torch.arange(n, device=device).expand(u, n)
-        for _ in range(int(self.depth.max()) + 1 if n else 0):
-            ancestors.scatter_(2, torch.where(node >= 0, node, n)[..., None], True)
+    def attention(self) -> torch.Tensor:
+        """[R, 1, C, C] bool, True where a query column may attend to a key column: within a segment, a
+        prompt token attends to the prompt causally, a node to the whole prompt and to its ancestors and
+        itself. Padding attends to itself only, so no row of the mask is empty (an empty row gives NaN)."""
+        rows, width = self.ids.shape
+        col = torch.arange(width, device=self.ids.device)
+        same = (self.segment[:, :, None] == self.segment[:, None, :]) & (self.segment[:, None, :] >= 0)
+        allowed = same & ~self.is_node[:, None, :] & (col[None, None, :] <= col[None, :, None])
+        # ancestors-or-self of every node by pointer jumping, one level per step, as many steps as the
+        # longest draft has tokens (column `width` collects finished chains)
+        ancestors = torch.zeros((rows, width, width + 1), dtype=torch.bool, device=col.device)
+        node = torch.where(self.is_node, col, -1)
+        for _ in range(self.path.shape[1]):
+            ancestors.scatter_(2, torch.where(node >= 0, node, width)[..., None], True)
             node = torch.where(node >= 0, self.parent.gather(1, node.clamp(min=0)), node)
-        eye_p = torch.eye(p, dtype=torch.bool, device=device)
-        prompt_rows = (torch.tril(torch.ones_like(eye_p)) & prompt_mask[:, None, :]) | eye_p
-        node_rows = torch.cat([prompt_mask[:, None, :].expand(u, n, p), ancestors[..., :n]], dim=2)
-        top = torch.cat([prompt_rows, prompt_rows.new_zeros((u, p, n))], dim=2)
-        return torch.cat([top, node_rows], dim=1)[:, None]
+        return (allowed | ancestors[..., :width] | torch.eye(width, dtype=torch.bool, device=col.device))[
+            :, None
+        ]
+
+    def prediction_columns(self) -> torch.Tensor:
+        """[U, N+1] int64: per prompt, the column whose hidden state predicts a response's first token (its
+        last prompt token), then the column of each node (predicting the token after it); padded with the
+        first."""
+        steps = torch.arange(int(self.num_nodes.max()) + 1, device=self.ids.device)[None, :]
+        columns = self.start[:, None] + self.prompt_len[:, None] - 1 + steps
+        return torch.where(steps <= self.num_nodes[:, None], columns, columns[:, :1])
+
+    def resume_attention(self, prompts: torch.Tensor, path: torch.Tensor, width: int) -> torch.Tensor:
+        """[A, width] int64 2D attention mask of resumed rows over the first `width` cache columns: their
+        prompt's tokens and the nodes on `path` [A, D] (-1 entries ignored). prompts [A]: their prompts."""
+        col = torch.arange(width, device=path.device)[None, :]
+        start, first = self.start[prompts, None], (self.start + self.prompt_len)[prompts, None]
+        mask = ((col >= start) & (col < first)).long()
+        on_path = torch.zeros((len(path), width + 1), dtype=torch.long, device=path.device)
+        on_path.scatter_(1, torch.where(path >= 0, first + path, width), 1)  # column `width` takes the -1s
+        return mask | on_path[:, :width]
 
 
 def _as_attention_mask(allowed: torch.Tensor, model) -> torch.Tensor:
@@ -397,20 +458,21 @@ def generate_with_drafts(
     n = torch.tensor([len(t) for t in draft_tokens], dtype=torch.long, device=device)
     width_d = int(max(len(t) for t in draft_tokens))
     p_ids, p_mask, prompt_rows = distinct_prompts(prompts, pad_id, device)
-    tree = DraftTree.build(prompt_rows.tolist(), draft_tokens, len(p_ids), pad_id, device)
-    p_attn = p_mask.long()
-    p_len = p_attn.sum(-1)
+    first_row = dict(zip(reversed(prompt_rows.tolist()), range(batch - 1, -1, -1)))
+    distinct = [list(prompts[first_row[u]]) for u in range(len(p_ids))]
+    tree = DraftTree.build(distinct, prompt_rows.tolist(), draft_tokens, pad_id, device)
     cache = DynamicCache(config=model.config)
-    out = model(
-        input_ids=torch.cat([p_ids, tree.tokens], dim=1),
-        attention_mask=_as_attention_mask(tree.attention(p_mask), model),
-        position_ids=torch.cat([position_ids_from_mask(p_attn), p_len[:, None] + tree.depth], dim=1),
+    # The base model, then the LM head at the prediction columns only (prompt columns need no logits).
+    hidden = model.base_model(
+        input_ids=tree.ids,
+        attention_mask=_as_attention_mask(tree.attention(), model),
+        position_ids=tree.position,
         cache=cache,
         use_cache=True,
-        logits_to_keep=tree.num_nodes + 1,
-    )
+    ).last_hidden_state
+    predicting = hidden[tree.row[:, None], tree.prediction_columns()]  # [U, N+1, H]
     # [U, N+1, V]: column 0 predicts a response's first token, column 1 + j the token after node j
-    node_logp = filtered_logprobs(out.logits, temperature, top_k, top_p)
+    node_logp = filtered_logprobs(model.get_output_embeddings()(predicting), temperature, top_k, top_p)
     # [B, D+1]: the column of node_logp that predicts response position i of row b's draft
     col = torch.cat([tree.path.new_zeros((batch, 1)), tree.path + 1], dim=1)
 
@@ -449,19 +511,19 @@ def generate_with_drafts(
     if len(active):
         a_acc = accepted_len[active]
         sel = prompt_rows[active]
-        # A resumed row attends to its prompt and the tree nodes of its accepted prefix; the nodes after
-        # the last one any resumed row needs are cropped from the cache.
+        # A resumed row attends to its prompt and the tree nodes of its accepted prefix, in a copy of its
+        # prompt's packed row; the columns after the last one any resumed row needs are cropped.
         prefix = torch.arange(width_d, device=device)[None, :] < a_acc[:, None]
         path = torch.where(prefix, tree.path[active], -1)
-        kept = int(path.max()) + 1 if width_d else 0
-        if kept < tree.num_nodes:
-            cache.crop(kept - tree.num_nodes)
-        if len(sel) != len(p_ids) or not torch.equal(sel, torch.arange(len(sel), device=device)):
-            cache.batch_select_indices(sel)
-        on_path = torch.zeros((len(active), kept + 1), dtype=torch.long, device=device)
-        on_path.scatter_(1, torch.where(prefix, path, kept), 1)  # column `kept` collects the padding
-        attn = torch.cat([p_attn[sel], on_path[:, :kept]], dim=1)
-        pos = p_len[sel] + a_acc
+        first = (tree.start + tree.prompt_len)[sel]
+        kept = int((first + (path.max(dim=1).values + 1 if width_d else 0)).max())
+        if kept < tree.ids.shape[1]:
+            cache.crop(kept - tree.ids.shape[1])
+        rows = tree.row[sel]
+        if len(rows) != len(tree.ids) or not torch.equal(rows, torch.arange(len(rows), device=device)):
+            cache.batch_select_indices(rows)
+        attn = tree.resume_attention(sel, path, kept)
+        pos = tree.prompt_len[sel] + a_acc
         # [A, V] the current policy at the resume position: what the returned log-probs are measured under;
         # `logp` is what the token is drawn from (the residual at a rejected position in exact mode)
         step_logp = logp = node_logp[sel, col[active, a_acc]]

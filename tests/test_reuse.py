@@ -1,5 +1,6 @@
 """Speculative rollout reuse: acceptance rule, resume from rejection, exactness (total variation), cache."""
 
+import contextlib
 import copy
 import math
 
@@ -95,6 +96,20 @@ PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 10, 11, 12, 13], [1, 3], [1, 4, 4]]
 M = 10
 
 
+@contextlib.contextmanager
+def recorded_forwards(model):
+    """The input_ids shapes of the base model's forwards while the block runs (every forward of the causal
+    LM goes through it)."""
+    calls = []
+    hook = model.base_model.register_forward_pre_hook(
+        lambda _, args, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        yield calls
+    finally:
+        hook.remove()
+
+
 def _forced_drafts(rollout, accept_at):
     """Drafts = the rollout's responses, with old log-probs crafted so that exactly accept_at[b] tokens are
     accepted (-1e4: always accepted; +1e4: always rejected). accept_at None: no draft."""
@@ -123,21 +138,15 @@ def test_resume_from_rejection_equals_fresh_generation(tiny_qwen, top_k, top_p):
     for b in (0, 2, 4):
         assert accept_at[b] < lengths[b], "the seed must give drafts long enough to be rejected"
 
-    calls = []
-    forward = tiny_qwen.forward
-
-    def spy(*args, **kw):
-        calls.append(kw["input_ids"].shape)
-        return forward(*args, **kw)
-
-    tiny_qwen.forward = spy
-    out, stats, new_drafts = generate_with_drafts(
-        tiny_qwen, PROMPTS, drafts, generator=torch.Generator().manual_seed(11), **sampling
-    )
-    del tiny_qwen.forward
-    # Verification: ONE forward over each (distinct) prompt followed by its draft; after that only
-    # single-token decoding steps (no second prefill).
-    assert calls[0] == (len(PROMPTS), max(map(len, PROMPTS)) + max(len(d.tokens) for d in drafts if d))
+    with recorded_forwards(tiny_qwen) as calls:
+        out, stats, new_drafts = generate_with_drafts(
+            tiny_qwen, PROMPTS, drafts, generator=torch.Generator().manual_seed(11), **sampling
+        )
+    # Verification: ONE forward over the prompts, each followed by its draft, packed into rows as long as the
+    # longest; after that only single-token decoding steps (no second prefill).
+    segments = [len(p) + (len(d.tokens) if d else 0) for p, d in zip(PROMPTS, drafts)]
+    rows, width = calls[0]
+    assert width == max(segments) and rows < len(PROMPTS) and rows * width >= sum(segments)
     assert all(shape[1] == 1 for shape in calls[1:]) and len(calls) > 1
 
     expected_acc = [0 if a is None else a for a in accept_at]
@@ -180,21 +189,41 @@ def test_resume_from_rejection_equals_fresh_generation(tiny_qwen, top_k, top_p):
 
 
 def test_draft_tree_by_hand():
-    # prompt 0: rows 0, 1, 2, 4 with drafts 5-6-7, 5-6-8, 5-6-7, none; prompt 1: row 3 with draft 5
-    tree = DraftTree.build([0, 0, 0, 1, 0], [[5, 6, 7], [5, 6, 8], [5, 6, 7], [5], []], 2, 0, "cpu")
-    assert tree.tokens.tolist() == [[5, 6, 7, 8], [5, 0, 0, 0]]
-    assert tree.parent.tolist() == [[-1, 0, 1, 1], [-1, -1, -1, -1]]
-    assert tree.depth.tolist() == [[0, 1, 2, 2], [0, 0, 0, 0]]
-    assert tree.path.tolist() == [[0, 1, 2], [0, 1, 3], [0, 1, 2], [0, -1, -1], [-1, -1, -1]]
-    # prompt 0 fills both columns, prompt 1 is left-padded: columns [p0, p1 | node 0..3]
-    mask = tree.attention(torch.tensor([[True, True], [False, True]]))[:, 0].int().tolist()
-    assert mask[0][2 + 3] == [1, 1, 1, 1, 0, 1]  # token 8: prompt, its ancestors 5 and 6, itself; not 7
-    assert mask[0][2 + 2] == [1, 1, 1, 1, 1, 0]
-    assert mask[0][1] == [1, 1, 0, 0, 0, 0]  # prompt tokens: causal over the prompt
-    assert mask[1][0] == [1, 0, 0, 0, 0, 0]  # a padding column attends to itself only (no empty row)
-    assert mask[1][1] == [0, 1, 0, 0, 0, 0]
-    assert mask[1][2] == [0, 1, 1, 0, 0, 0]
-    assert mask[1][2 + 2] == [0, 1, 0, 0, 1, 0]  # a padding node: the prompt and itself
+    # prompt 0 = [1, 4]: rows 0, 1, 2, 4 with drafts 5-6-7, 5-6-8, 5-6-7, none -> nodes 5, 6, 7, 8
+    # prompt 1 = [3]: row 3 with draft 5; prompt 2 = [9, 9]: row 5 without a draft
+    prompts = [[1, 4], [3], [9, 9]]
+    drafts = [[5, 6, 7], [5, 6, 8], [5, 6, 7], [5], [], []]
+    tree = DraftTree.build(prompts, [0, 0, 0, 1, 0, 2], drafts, 0, "cpu")
+    # segments of 6, 2 and 2 columns: the longest fills row 0, the two others share row 1
+    assert tree.ids.tolist() == [[1, 4, 5, 6, 7, 8], [3, 5, 9, 9, 0, 0]]
+    assert tree.position.tolist() == [[0, 1, 2, 3, 4, 4], [0, 1, 0, 1, 0, 0]]
+    assert tree.segment.tolist() == [[0] * 6, [1, 1, 2, 2, -1, -1]]
+    assert tree.parent.tolist() == [[-1, -1, -1, 2, 3, 3], [-1] * 6]
+    assert tree.row.tolist() == [0, 1, 1] and tree.start.tolist() == [0, 0, 2]
+    assert tree.num_nodes.tolist() == [4, 1, 0]
+    assert tree.path.tolist() == [[0, 1, 2], [0, 1, 3], [0, 1, 2], [0, -1, -1], [-1] * 3, [-1] * 3]
+    mask = tree.attention()[:, 0].int().tolist()
+    assert mask[0] == [
+        [1, 0, 0, 0, 0, 0],  # prompt: causal
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],  # node 5: the prompt and itself
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 0],  # node 7: not its sibling 8
+        [1, 1, 1, 1, 0, 1],
+    ]
+    assert mask[1] == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0],  # prompt 2 does not see prompt 1's segment
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 0],  # padding attends to itself only (no empty row)
+        [0, 0, 0, 0, 0, 1],
+    ]
+    assert tree.prediction_columns().tolist() == [[1, 2, 3, 4, 5], [0, 1, 0, 0, 0], [3, 3, 3, 3, 3]]
+    resumed = tree.resume_attention(
+        torch.tensor([0, 1, 2]), torch.tensor([[0, 1, -1], [-1] * 3, [-1] * 3]), 6
+    )
+    assert resumed.tolist() == [[1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0]]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -216,15 +245,13 @@ def test_group_drafts_sharing_prefixes_are_scored_as_one_tree(tiny_qwen, attenti
     def tree_size(group):  # distinct draft prefixes of a group
         return len({tuple(d.tokens[: i + 1].tolist()) for d in group if d for i in range(len(d.tokens))})
 
-    calls = []
-    forward = tiny_qwen.forward
-    tiny_qwen.forward = lambda *a, **kw: calls.append(kw["input_ids"].shape) or forward(*a, **kw)
-    out, stats, _ = generate_with_drafts(
-        tiny_qwen, prompts, drafts, generator=torch.Generator().manual_seed(8), **sampling
-    )
-    del tiny_qwen.forward
+    with recorded_forwards(tiny_qwen) as calls:
+        out, stats, _ = generate_with_drafts(
+            tiny_qwen, prompts, drafts, generator=torch.Generator().manual_seed(8), **sampling
+        )
     assert tree_size(drafts[:4]) < sum(lengths[:3])  # rows 0-2 share prefixes
-    assert calls[0] == (2, len(PROMPTS[2]) + max(tree_size(drafts[:4]), tree_size(drafts[4:])))
+    segments = [len(PROMPTS[0]) + tree_size(drafts[:4]), len(PROMPTS[2]) + tree_size(drafts[4:])]
+    assert calls[0] == (1 if sum(segments) <= max(segments) else 2, max(segments))
     assert all(shape[1] == 1 for shape in calls[1:])
     assert stats.accepted.tolist() == [2, 3, 1, 0, lengths[4], 0]
 
