@@ -456,10 +456,9 @@ def generate_with_drafts(
     # ---- 1. verification: ONE forward over each distinct prompt followed by the prefix tree of its drafts
     draft_tokens = [(d.tokens[:max_new_tokens].tolist() if d is not None else []) for d in drafts]
     n = torch.tensor([len(t) for t in draft_tokens], dtype=torch.long, device=device)
-    width_d = int(max(len(t) for t in draft_tokens))
+    width_d = max(len(t) for t in draft_tokens)
     p_ids, p_mask, prompt_rows = distinct_prompts(prompts, pad_id, device)
-    first_row = dict(zip(reversed(prompt_rows.tolist()), range(batch - 1, -1, -1)))
-    distinct = [list(prompts[first_row[u]]) for u in range(len(p_ids))]
+    distinct = [ids[mask].tolist() for ids, mask in zip(p_ids, p_mask)]
     tree = DraftTree.build(distinct, prompt_rows.tolist(), draft_tokens, pad_id, device)
     cache = DynamicCache(config=model.config)
     # The base model, then the LM head at the prediction columns only (prompt columns need no logits).
