@@ -257,22 +257,30 @@ def _top(logp: torch.Tensor, k: int):
     return ids, values.float()
 
 
+# A segment is a prompt followed by the prefix tree of some of its drafts. The verification mask costs
+# rows x columns^2 booleans, so a prompt's drafts start a new segment once its tree would pass this many
+# columns (a single draft longer than that still gets a segment of its own).
+MAX_SEGMENT_COLUMNS = 2048
+
+
 @dataclass
 class DraftTree:
     """Every draft of a rollout, laid out for ONE verification forward.
 
     The drafts of each distinct prompt are merged into a prefix tree (the G samples of a group often share
-    their first tokens or their whole response; each shared prefix is scored once). A prompt followed by its
-    tree nodes is a segment; segments are packed, longest first, into rows no longer than the longest
-    segment, so the forward carries little padding. A node attends to its segment's prompt, its ancestors
-    and itself, at position prompt length + depth: its hidden state is what a plain forward over its own
-    sequence gives.
+    their first tokens or their whole response; each shared prefix is scored once). A prompt followed by
+    its tree is a segment (a prompt whose tree would pass `max_columns` gets several); segments are packed,
+    longest first, into rows no longer than the longest segment, so the forward carries little padding. A
+    node attends to its segment's prompt, its ancestors and itself, at position prompt length + depth: its
+    hidden state is what a plain forward over its own sequence gives.
 
-    ids, position [R, C] int64: the packed rows (pad_id / 0 in padding); segment [R, C] int64: the prompt
+    ids, position [R, C] int64: the packed rows (pad_id / 0 in padding); segment [R, C] int64: the segment
     of each column (-1 in padding); parent [R, C] int64: the column of a node's parent node (-1 for prompt
     tokens, first tokens and padding); is_node [R, C] bool.
-    row, start, prompt_len [U] int64: where prompt u's segment lies; its nodes follow its prompt.
-    num_nodes [U] int64; path [B, D] int64: the node of each position of row b's draft (-1 past its end).
+    row, start, prompt_len, num_nodes [S] int64: where segment s lies, its prompt's length (its nodes
+    follow the prompt) and its number of nodes.
+    segment_of_row [B] int64: the segment holding row b's draft (or its prompt); path [B, D] int64: the node
+    of each position of row b's draft within that segment (-1 past its end).
     """
 
     ids: torch.Tensor
@@ -284,59 +292,78 @@ class DraftTree:
     start: torch.Tensor
     prompt_len: torch.Tensor
     num_nodes: torch.Tensor
+    segment_of_row: torch.Tensor
     path: torch.Tensor
 
     @classmethod
     def build(
-        cls, prompts: list[list[int]], prompt_of_row: list[int], drafts: list[list[int]], pad_id: int, device
+        cls,
+        prompts: list[list[int]],
+        prompt_of_row: list[int],
+        drafts: list[list[int]],
+        pad_id: int,
+        device,
+        max_columns: int = MAX_SEGMENT_COLUMNS,
     ):
-        """prompts: the U distinct prompts; prompt_of_row[b]: row b's prompt; drafts[b]: its draft tokens
-        (may be empty)."""
-        num_prompts = len(prompts)
-        index = [{} for _ in range(num_prompts)]  # (parent node, token) -> node, per prompt
-        tokens = [[] for _ in range(num_prompts)]
-        parent = [[] for _ in range(num_prompts)]
-        depth = [[] for _ in range(num_prompts)]
-        paths = []
+        """prompts: the distinct prompts; prompt_of_row[b]: row b's prompt; drafts[b]: its draft tokens (may
+        be empty)."""
+        prompt_of: list[int] = []  # per segment
+        index: list[dict] = []  # per segment: (parent node, token) -> node
+        tokens: list[list[int]] = []
+        parent: list[list[int]] = []
+        depth: list[list[int]] = []
+        open_segment: dict[int, int] = {}  # prompt -> the segment its next drafts go to
+        segment_of_row, paths = [], []
         for u, draft in zip(prompt_of_row, drafts):
+            s = open_segment.get(u)
+            if s is not None and tokens[s]:
+                shared, node = 0, -1  # how much of the draft the segment's tree already holds
+                while shared < len(draft) and (node, draft[shared]) in index[s]:
+                    node, shared = index[s][node, draft[shared]], shared + 1
+                if len(prompts[u]) + len(tokens[s]) + len(draft) - shared > max_columns:
+                    s = None
+            if s is None:
+                s = open_segment[u] = len(prompt_of)
+                prompt_of.append(u)
+                index.append({})
+                tokens.append([])
+                parent.append([])
+                depth.append([])
             node, path = -1, []
             for token in draft:
-                child = index[u].setdefault((node, token), len(tokens[u]))
-                if child == len(tokens[u]):
-                    tokens[u].append(token)
-                    parent[u].append(node)
-                    depth[u].append(len(path))
+                child = index[s].setdefault((node, token), len(tokens[s]))
+                if child == len(tokens[s]):
+                    tokens[s].append(token)
+                    parent[s].append(node)
+                    depth[s].append(len(path))
                 node = child
                 path.append(node)
+            segment_of_row.append(s)
             paths.append(path)
 
         # first fit, longest segment first, into rows as long as the longest segment
-        length = [len(p) + len(t) for p, t in zip(prompts, tokens)]
+        prompt_len = [len(prompts[u]) for u in prompt_of]
+        length = [p + len(t) for p, t in zip(prompt_len, tokens)]
         width = max(length)
         used: list[int] = []
-        row, start = [0] * num_prompts, [0] * num_prompts
-        for u in sorted(range(num_prompts), key=lambda u: -length[u]):
-            r = next((r for r, n in enumerate(used) if n + length[u] <= width), len(used))
+        row, start = [0] * len(length), [0] * len(length)
+        for s in sorted(range(len(length)), key=lambda s: -length[s]):
+            r = next((r for r, n in enumerate(used) if n + length[s] <= width), len(used))
             if r == len(used):
                 used.append(0)
-            row[u], start[u] = r, used[r]
-            used[r] += length[u]
+            row[s], start[s] = r, used[r]
+            used[r] += length[s]
 
-        shape = (len(used), width)
         ids, position = [[pad_id] * width for _ in used], [[0] * width for _ in used]
         segment, parent_col = [[-1] * width for _ in used], [[-1] * width for _ in used]
-        for u, prompt in enumerate(prompts):
-            r, first = row[u], start[u] + len(prompt)  # first: the column of node 0
-            ids[r][start[u] : first] = prompt
-            position[r][start[u] : first] = range(len(prompt))
-            ids[r][first : first + len(tokens[u])] = tokens[u]
-            position[r][first : first + len(tokens[u])] = [len(prompt) + d for d in depth[u]]
-            segment[r][start[u] : first + len(tokens[u])] = [u] * (len(prompt) + len(tokens[u]))
-            parent_col[r][first : first + len(tokens[u])] = [first + q if q >= 0 else -1 for q in parent[u]]
-        is_node = torch.zeros(shape, dtype=torch.bool)
-        for u, prompt in enumerate(prompts):
-            first = start[u] + len(prompt)
-            is_node[row[u], first : first + len(tokens[u])] = True
+        is_node = torch.zeros((len(used), width), dtype=torch.bool)
+        for s, u in enumerate(prompt_of):
+            r, first, end = row[s], start[s] + prompt_len[s], start[s] + length[s]  # nodes: [first, end)
+            ids[r][start[s] : end] = prompts[u] + tokens[s]
+            position[r][start[s] : end] = [*range(prompt_len[s]), *(prompt_len[s] + d for d in depth[s])]
+            segment[r][start[s] : end] = [s] * length[s]
+            parent_col[r][first:end] = [first + q if q >= 0 else -1 for q in parent[s]]
+            is_node[r, first:end] = True
 
         def tensor(x) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
@@ -350,8 +377,9 @@ class DraftTree:
             is_node=is_node.to(device),
             row=tensor(row),
             start=tensor(start),
-            prompt_len=tensor([len(p) for p in prompts]),
+            prompt_len=tensor(prompt_len),
             num_nodes=tensor([len(t) for t in tokens]),
+            segment_of_row=tensor(segment_of_row),
             path=tensor([p + [-1] * (width_d - len(p)) for p in paths]),
         )
 
@@ -375,18 +403,18 @@ class DraftTree:
         ]
 
     def prediction_columns(self) -> torch.Tensor:
-        """[U, N+1] int64: per prompt, the column whose hidden state predicts a response's first token (its
+        """[S, N+1] int64: per segment, the column whose hidden state predicts a response's first token (its
         last prompt token), then the column of each node (predicting the token after it); padded with the
         first."""
         steps = torch.arange(int(self.num_nodes.max()) + 1, device=self.ids.device)[None, :]
         columns = self.start[:, None] + self.prompt_len[:, None] - 1 + steps
         return torch.where(steps <= self.num_nodes[:, None], columns, columns[:, :1])
 
-    def resume_attention(self, prompts: torch.Tensor, path: torch.Tensor, width: int) -> torch.Tensor:
+    def resume_attention(self, segments: torch.Tensor, path: torch.Tensor, width: int) -> torch.Tensor:
         """[A, width] int64 2D attention mask of resumed rows over the first `width` cache columns: their
-        prompt's tokens and the nodes on `path` [A, D] (-1 entries ignored). prompts [A]: their prompts."""
+        segment's prompt and the nodes on `path` [A, D] (-1 entries ignored). segments [A]: their segments."""
         col = torch.arange(width, device=path.device)[None, :]
-        start, first = self.start[prompts, None], (self.start + self.prompt_len)[prompts, None]
+        start, first = self.start[segments, None], (self.start + self.prompt_len)[segments, None]
         mask = ((col >= start) & (col < first)).long()
         on_path = torch.zeros((len(path), width + 1), dtype=torch.long, device=path.device)
         on_path.scatter_(1, torch.where(path >= 0, first + path, width), 1)  # column `width` takes the -1s
@@ -459,7 +487,7 @@ def generate_with_drafts(
     width_d = max(len(t) for t in draft_tokens)
     p_ids, p_mask, prompt_rows = distinct_prompts(prompts, pad_id, device)
     distinct = [ids[mask].tolist() for ids, mask in zip(p_ids, p_mask)]
-    tree = DraftTree.build(distinct, prompt_rows.tolist(), draft_tokens, pad_id, device)
+    tree = DraftTree.build(distinct, prompt_rows.tolist(), draft_tokens, pad_id, device, MAX_SEGMENT_COLUMNS)
     cache = DynamicCache(config=model.config)
     # The base model, then the LM head at the prediction columns only (prompt columns need no logits).
     hidden = model.base_model(
@@ -469,8 +497,8 @@ def generate_with_drafts(
         cache=cache,
         use_cache=True,
     ).last_hidden_state
-    predicting = hidden[tree.row[:, None], tree.prediction_columns()]  # [U, N+1, H]
-    # [U, N+1, V]: column 0 predicts a response's first token, column 1 + j the token after node j
+    predicting = hidden[tree.row[:, None], tree.prediction_columns()]  # [S, N+1, H]
+    # [S, N+1, V]: column 0 predicts a response's first token, column 1 + j the token after node j
     node_logp = filtered_logprobs(model.get_output_embeddings()(predicting), temperature, top_k, top_p)
     # [B, D+1]: the column of node_logp that predicts response position i of row b's draft
     col = torch.cat([tree.path.new_zeros((batch, 1)), tree.path + 1], dim=1)
@@ -484,7 +512,8 @@ def generate_with_drafts(
         batch_first=True,
     ).to(device)
     old_lp = torch.cat([old_lp, old_lp.new_zeros(batch, width_d - old_lp.shape[1])], dim=1)
-    new_lp_drafted = node_logp[prompt_rows[:, None], col[:, :width_d], drafted]  # [B, D]
+    segment = tree.segment_of_row  # [B]
+    new_lp_drafted = node_logp[segment[:, None], col[:, :width_d], drafted]  # [B, D]
     if width_d > 0:
         gen_device = generator.device if generator is not None else device
         uniforms = torch.rand((batch, width_d), generator=generator, device=gen_device).to(device)
@@ -509,9 +538,9 @@ def generate_with_drafts(
     decode_steps = 0
     if len(active):
         a_acc = accepted_len[active]
-        sel = prompt_rows[active]
+        sel = segment[active]
         # A resumed row attends to its prompt and the tree nodes of its accepted prefix, in a copy of its
-        # prompt's packed row; the columns after the last one any resumed row needs are cropped.
+        # segment's packed row; the columns after the last one any resumed row needs are cropped.
         prefix = torch.arange(width_d, device=device)[None, :] < a_acc[:, None]
         path = torch.where(prefix, tree.path[active], -1)
         first = (tree.start + tree.prompt_len)[sel]
@@ -595,9 +624,9 @@ def generate_with_drafts(
     lengths = total.tolist()
     top_ids = top_lp = None
     if keep_topk:
-        node_ids, node_top = _top(node_logp, keep_topk)  # [U, N+1, K]
-        acc_ids = node_ids[prompt_rows[:, None], col[:, :width_d]]
-        acc_top = node_top[prompt_rows[:, None], col[:, :width_d]]
+        node_ids, node_top = _top(node_logp, keep_topk)  # [S, N+1, K]
+        acc_ids = node_ids[segment[:, None], col[:, :width_d]]
+        acc_top = node_top[segment[:, None], col[:, :width_d]]
         k = acc_ids.shape[-1]
         c_ids = torch.zeros((batch, steps_c, k), dtype=torch.long, device=device)
         c_top = torch.full((batch, steps_c, k), float("-inf"), device=device)

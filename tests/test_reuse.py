@@ -200,7 +200,7 @@ def test_draft_tree_by_hand():
     assert tree.segment.tolist() == [[0] * 6, [1, 1, 2, 2, -1, -1]]
     assert tree.parent.tolist() == [[-1, -1, -1, 2, 3, 3], [-1] * 6]
     assert tree.row.tolist() == [0, 1, 1] and tree.start.tolist() == [0, 0, 2]
-    assert tree.num_nodes.tolist() == [4, 1, 0]
+    assert tree.num_nodes.tolist() == [4, 1, 0] and tree.segment_of_row.tolist() == [0, 0, 0, 1, 0, 2]
     assert tree.path.tolist() == [[0, 1, 2], [0, 1, 3], [0, 1, 2], [0, -1, -1], [-1] * 3, [-1] * 3]
     mask = tree.attention()[:, 0].int().tolist()
     assert mask[0] == [
@@ -225,11 +225,20 @@ def test_draft_tree_by_hand():
     )
     assert resumed.tolist() == [[1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0]]
 
+    # At most 5 columns a segment: 5-6-8 would make prompt 0's tree 6 columns long, so it starts a second
+    # segment, which 5-6-7 then joins (the row without a draft goes to the open one too).
+    tree = DraftTree.build(prompts, [0, 0, 0, 1, 0, 2], drafts, 0, "cpu", max_columns=5)
+    assert tree.segment_of_row.tolist() == [0, 1, 2, 3, 2, 4]
+    assert tree.num_nodes.tolist() == [3, 3, 3, 1, 0]
+    assert tree.path.tolist() == [[0, 1, 2], [0, 1, 2], [0, 1, 2], [0, -1, -1], [-1] * 3, [-1] * 3]
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_group_drafts_sharing_prefixes_are_scored_as_one_tree(tiny_qwen, attention):
-    """Rows of a group whose drafts share prefixes: one forward of [distinct prompts, prompt + tree nodes];
-    every row's returned log-probs are those of a plain forward over its own sequence."""
+
+@pytest.mark.parametrize("attention,max_columns", [("sdpa", 2048), ("eager", 2048), ("sdpa", 12)])
+def test_group_drafts_sharing_prefixes_are_scored_as_one_tree(tiny_qwen, attention, max_columns, monkeypatch):
+    """Rows of a group whose drafts share prefixes: one forward over packed [prompt | tree] segments; every
+    row's returned log-probs are those of a plain forward over its own sequence, also when a prompt's
+    drafts are split over several segments."""
+    monkeypatch.setattr("bitrl.rollout.reuse.MAX_SEGMENT_COLUMNS", max_columns)
     tiny_qwen.set_attn_implementation(attention)
     prompts = [PROMPTS[0]] * 4 + [PROMPTS[2]] * 2
     sampling = dict(max_new_tokens=M, eos_id=2, pad_id=0)
@@ -251,7 +260,11 @@ def test_group_drafts_sharing_prefixes_are_scored_as_one_tree(tiny_qwen, attenti
         )
     assert tree_size(drafts[:4]) < sum(lengths[:3])  # rows 0-2 share prefixes
     segments = [len(PROMPTS[0]) + tree_size(drafts[:4]), len(PROMPTS[2]) + tree_size(drafts[4:])]
-    assert calls[0] == (1 if sum(segments) <= max(segments) else 2, max(segments))
+    if max_columns >= max(segments):  # one segment per prompt
+        assert calls[0] == (1 if sum(segments) <= max(segments) else 2, max(segments))
+    else:
+        longest = max(len(p) + len(d.tokens) for p, d in zip(prompts, drafts) if d)
+        assert max_columns < calls[0][1] <= longest  # only a draft longer than the cap passes it
     assert all(shape[1] == 1 for shape in calls[1:])
     assert stats.accepted.tolist() == [2, 3, 1, 0, lengths[4], 0]
 
