@@ -52,14 +52,20 @@ ARMS = {
 
 @contextlib.contextmanager
 def counting_forwards(model):
-    """Counts the model's forward calls while the block runs: yields a one-element list holding the count.
-    Counted on the base model, which every forward goes through (reuse verification calls it directly)."""
-    count = [0]
-    hook = model.base_model.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    """Counts the model's forward calls and the tokens they carry (padding included) while the block runs:
+    yields a dict {"forwards": n, "tokens": n}. Counted on the base model, which every forward goes through
+    (reuse verification calls it directly)."""
+    count = {"forwards": 0, "tokens": 0}
+
+    def hook(module, args, kwargs):
+        count["forwards"] += 1
+        count["tokens"] += kwargs["input_ids"].numel()
+
+    handle = model.base_model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         yield count
     finally:
-        hook.remove()
+        handle.remove()
 
 
 class RolloutClock:
@@ -69,6 +75,7 @@ class RolloutClock:
     def __init__(self):
         self.calls: list[tuple[float, float]] = []
         self.forwards: list[int] = []  # sequential model calls per rollout (what bounds latency on a GPU)
+        self.tokens: list[int] = []  # tokens through the model per rollout (what bounds a CPU's time)
 
     def wrap(self, fn):
         import torch
@@ -79,7 +86,8 @@ class RolloutClock:
             with counting_forwards(model) as count:
                 out = fn(*a, **k)
             self.calls.append((time.perf_counter() - w, time.thread_time() - c))
-            self.forwards.append(count[0])
+            self.forwards.append(count["forwards"])
+            self.tokens.append(count["tokens"])
             return out
 
         return timed
@@ -129,6 +137,7 @@ def run_arm(name, arm, seed, args, out: Path) -> dict:
         "rollout_s_later_per_epoch": sum(later) / max(1, args.epochs - 1),
         "rollout_wall_s_later_per_epoch": sum(wall_later) / max(1, args.epochs - 1),
         "forwards_per_rollout_later": statistics.fmean(clock.forwards[steps_per_epoch:]),
+        "model_tokens_per_rollout_later": statistics.fmean(clock.tokens[steps_per_epoch:]),
         "accuracy_start": evals[0],
         "accuracy_end": evals[-1],
         "accuracy_per_epoch": evals,
@@ -150,7 +159,11 @@ def run_arm(name, arm, seed, args, out: Path) -> dict:
     return out_row
 
 
-CPU, WALL = "rollout_s_later_per_epoch", "rollout_wall_s_later_per_epoch"
+CPU, WALL, TOKENS = (
+    "rollout_s_later_per_epoch",
+    "rollout_wall_s_later_per_epoch",
+    "model_tokens_per_rollout_later",
+)
 
 
 def late_accuracy(row: dict) -> float:
@@ -173,9 +186,10 @@ def table(rows: list[dict]) -> str:
 
     lines = [
         "| arm | seeds | rollout CPU s / epoch, epochs 2+ | CPU speedup | wall speedup "
-        "| sequential forwards / rollout | held-out acc, late mean | gap to no reuse (points, 95% CI) "
-        "| groups without signal | generated / returned tokens | fully reused drafts | mean accepted len |",
-        "|---" * 12 + "|",
+        "| sequential forwards / rollout | model tokens / rollout | held-out acc, late mean "
+        "| gap to no reuse (points, 95% CI) | groups without signal | generated / returned tokens "
+        "| fully reused drafts | mean accepted len |",
+        "|---" * 13 + "|",
     ]
     for arm in arms:
         rs = [r for r in rows if r["arm"] == arm]
@@ -197,6 +211,7 @@ def table(rows: list[dict]) -> str:
             f"| {arm} | {len(rs)} | {fmt(r['rollout_s_later_per_epoch'] for r in rs)} | "
             f"{fmt(speed) if speed else '–'}x | {fmt(wall_speed) if wall_speed else '–'}x | "
             f"{fmt([r['forwards_per_rollout_later'] for r in rs], 1)} | "
+            f"{fmt((r[TOKENS] for r in rs), 0) if all(TOKENS in r for r in rs) else '–'} | "
             f"{fmt(map(late_accuracy, rs), 3)} | {gap} | "
             f"{fmt(r['flat_groups_later'] for r in rs)} | " + " | ".join(extra) + " |"
         )
@@ -209,7 +224,7 @@ def verification_cost(threads: int = 1, overrides: list[str] = (), reps: int = 2
     prefill alone. Demo model after its warm start, prompts_per_step x group_size rows (config `overrides`
     change them: `warmstart.steps=0 rollout.max_new_tokens=64` gives long responses from an untrained
     model). Returns milliseconds per rollout: CPU time of the calling thread on a CPU, synchronised wall time
-    on a GPU; and the number of sequential model forwards per rollout."""
+    on a GPU; and the sequential model forwards and the tokens through the model per rollout."""
     import random
 
     import torch
@@ -247,17 +262,17 @@ def verification_cost(threads: int = 1, overrides: list[str] = (), reps: int = 2
             return time.perf_counter()
         return time.thread_time()
 
-    def measure(fn) -> tuple[float, int]:
+    def measure(fn) -> tuple[float, dict]:
         fn()  # warm-up
         with counting_forwards(policy) as count:
             t = clock()
             for _ in range(reps):
                 fn()
             elapsed = clock() - t
-        return 1e3 * elapsed / reps, count[0] // reps
+        return 1e3 * elapsed / reps, {k: v // reps for k, v in count.items()}
 
-    fresh_ms, fresh_fw = measure(lambda: generate(policy, prompts, **kw))
-    reuse_ms, reuse_fw = measure(lambda: generate_with_drafts(policy, prompts, drafts, **kw))
+    fresh_ms, fresh = measure(lambda: generate(policy, prompts, **kw))
+    reuse_ms, reuse = measure(lambda: generate_with_drafts(policy, prompts, drafts, **kw))
     prefill_ms, _ = measure(lambda: prefill_distinct(policy, prompts, tokenizer.pad_token_id))
     return {
         "device": str(device),
@@ -268,8 +283,10 @@ def verification_cost(threads: int = 1, overrides: list[str] = (), reps: int = 2
         "all_drafts_accepted_ms": reuse_ms,
         "prompt_prefill_ms": prefill_ms,
         "speedup_all_accepted": fresh_ms / reuse_ms,
-        "forwards_fresh": fresh_fw,
-        "forwards_all_accepted": reuse_fw,
+        "forwards_fresh": fresh["forwards"],
+        "forwards_all_accepted": reuse["forwards"],
+        "model_tokens_fresh": fresh["tokens"],
+        "model_tokens_all_accepted": reuse["tokens"],
     }
 
 
