@@ -398,9 +398,8 @@ class DraftTree:
         for _ in range(self.path.shape[1]):
             ancestors.scatter_(2, torch.where(node >= 0, node, width)[..., None], True)
             node = torch.where(node >= 0, self.parent.gather(1, node.clamp(min=0)), node)
-        return (allowed | ancestors[..., :width] | torch.eye(width, dtype=torch.bool, device=col.device))[
-            :, None
-        ]
+        itself = torch.eye(width, dtype=torch.bool, device=col.device)
+        return (allowed | ancestors[..., :width] | itself)[:, None]
 
     def prediction_columns(self) -> torch.Tensor:
         """[S, N+1] int64: per segment, the column whose hidden state predicts a response's first token (its
