@@ -118,7 +118,7 @@ def generate(
     prompt_ids, prompt_mask, logits = ids[row_of], mask[row_of], logits[row_of]
     batch, device = prompt_ids.shape[0], prompt_ids.device
     attn = prompt_mask.long()
-    next_pos = attn.sum(-1, keepdim=True)
+    next_pos = attn.sum(-1)
     tokens, logps, alive_cols = [], [], []
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     in_cache = torch.arange(batch, device=device)  # the rows the KV cache holds, in its order
@@ -135,17 +135,8 @@ def generate(
         alive &= tok != eos_id
         if not alive.any() or len(tokens) == max_new_tokens:
             break
-        in_cache, attn, next_pos = drop_finished_rows(cache, in_cache, alive, attn, next_pos)
-        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-        out = model(
-            input_ids=tok[in_cache, None],
-            attention_mask=attn,
-            position_ids=next_pos,
-            cache=cache,
-            use_cache=True,
-        )
-        logits = logits.index_copy(0, in_cache, out.logits[:, -1].to(logits.dtype))
-        next_pos = next_pos + 1
+        in_cache, attn, next_pos, new_logits = decode_step(model, cache, in_cache, alive, tok, attn, next_pos)
+        logits = logits.index_copy(0, in_cache, new_logits.to(logits.dtype))
     return Rollout(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -155,17 +146,26 @@ def generate(
     )
 
 
-def drop_finished_rows(cache, in_cache: torch.Tensor, alive: torch.Tensor, *per_row: torch.Tensor):
-    """Drop finished rows from the KV cache once at most 3/4 of the rows it holds are alive, so a decode
-    step costs what its live rows cost; shrinking geometrically bounds the copying to a few cache sizes.
+def decode_step(model, cache, in_cache: torch.Tensor, alive: torch.Tensor, tokens: torch.Tensor, attn, pos):
+    """One decoding step on the KV cache: feed each cached row its newest token.
 
-    in_cache [C] int64: the batch rows the cache holds, in its order; alive [B] bool over the whole batch;
-    per_row: tensors [C, ...] aligned with the cache. Returns (in_cache, *per_row), selected alike.
+    in_cache [C] int64: the batch rows the cache holds, in its order; alive [B] bool and tokens [B] int64
+    over the whole batch; attn [C, T] int64: the cache's attention mask; pos [C] int64: each cached row's
+    next position. Finished rows first leave the cache once at most 3/4 of the rows it holds are alive, so a
+    step costs what its live rows cost (shrinking geometrically bounds the copying to a few cache sizes).
+    Returns (in_cache, attn, pos, logits [C', V]) for the rows the cache now holds, positions advanced.
     """
     keep = alive[in_cache]
-    live = int(keep.sum())
-    if live > 0.75 * len(in_cache):
-        return (in_cache, *per_row)
-    index = keep.nonzero().squeeze(-1)
-    cache.batch_select_indices(index)
-    return (in_cache[index], *(t[index] for t in per_row))
+    if int(keep.sum()) <= 0.75 * len(in_cache):
+        index = keep.nonzero().squeeze(-1)
+        cache.batch_select_indices(index)
+        in_cache, attn, pos = in_cache[index], attn[index], pos[index]
+    attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+    out = model(
+        input_ids=tokens[in_cache, None],
+        attention_mask=attn,
+        position_ids=pos[:, None],
+        cache=cache,
+        use_cache=True,
+    )
+    return in_cache, attn, pos + 1, out.logits[:, -1]

@@ -4,20 +4,21 @@ For every prompt seen before, the rollout cache holds the response sampled for i
 it was sampled with (pi_old) and, for the "exact" mode, the top-k of the old sampling distribution at each
 position. `generate_with_drafts` then
 
-1. verifies all drafts in ONE forward, prompts included: each distinct prompt is one row, followed by the
-   prefix tree of its rows' drafts (`DraftTree`: the G samples of a group often share their first tokens or
-   their whole response, and each shared prefix is scored once). A 4D attention mask lets each tree node see
-   the prompt and its ancestors, and its position is the prompt length plus its depth, so pi_new at every
-   node is what a plain forward over that row's own sequence gives;
+1. verifies all drafts in ONE forward, prompts included (`DraftTree`): each distinct prompt is followed by
+   the prefix tree of its rows' drafts (the G samples of a group often share their first tokens or their
+   whole response, and each shared prefix is scored once), and these [prompt | tree] segments are packed
+   into rows. A 4D attention mask lets each tree node see its prompt and its ancestors, and its position is
+   the prompt length plus its depth, so pi_new at every node is what a plain forward over that row's own
+   sequence gives;
 2. accepts draft token i if u_i <= min(1, lenience * pi_new(y_i) / pi_old(y_i)), tested in log space, with
    u_i drawn from the rollout generator; the accepted prefix is the run of accepted tokens before the first
    rejection;
 3. returns fully accepted, finished drafts as they are, and resumes generation for the other rows at their
    first rejected position, reusing the verification KV cache (no second prefill). Each resumed row takes a
-   copy of its prompt's cache row [left-padded prompt | tree nodes] and attends to the prompt and to the
-   nodes of its accepted prefix only; every row keeps its own position counter, so no cache columns are
-   moved. Nodes after the last one any resumed row needs are cropped, and rows that need no generation are
-   dropped from the cache before decoding.
+   copy of its segment's packed row and attends to its prompt and to the nodes of its accepted prefix only;
+   every row keeps its own position counter, so no cache columns are moved. Columns after the last one any
+   resumed row needs are cropped, and rows that need no generation are dropped from the cache before
+   decoding.
 
 At the first rejected position the "spec-rl" mode samples from pi_new (SPEC-RL); the "exact" mode samples
 from the residual norm(max(0, pi_new - min(pi_old, lenience * pi_new))), which is plain speculative sampling
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from bitrl.rollout.engine import Rollout, distinct_prompts, drop_finished_rows
+from bitrl.rollout.engine import Rollout, decode_step, distinct_prompts
 from bitrl.rollout.sampling import filtered_logprobs
 
 MODES = ("spec-rl", "exact")
@@ -401,19 +402,24 @@ class DraftTree:
         itself = torch.eye(width, dtype=torch.bool, device=col.device)
         return (allowed | ancestors[..., :width] | itself)[:, None]
 
+    @property
+    def first_node(self) -> torch.Tensor:
+        """[S] int64: the column of each segment's node 0 (right after its prompt)."""
+        return self.start + self.prompt_len
+
     def prediction_columns(self) -> torch.Tensor:
         """[S, N+1] int64: per segment, the column whose hidden state predicts a response's first token (its
         last prompt token), then the column of each node (predicting the token after it); padded with the
         first."""
         steps = torch.arange(int(self.num_nodes.max()) + 1, device=self.ids.device)[None, :]
-        columns = self.start[:, None] + self.prompt_len[:, None] - 1 + steps
+        columns = self.first_node[:, None] - 1 + steps
         return torch.where(steps <= self.num_nodes[:, None], columns, columns[:, :1])
 
     def resume_attention(self, segments: torch.Tensor, path: torch.Tensor, width: int) -> torch.Tensor:
         """[A, width] int64 2D attention mask of resumed rows over the first `width` cache columns: their
         segment's prompt and the nodes on `path` [A, D] (-1 entries ignored). segments [A]: their segments."""
         col = torch.arange(width, device=path.device)[None, :]
-        start, first = self.start[segments, None], (self.start + self.prompt_len)[segments, None]
+        start, first = self.start[segments, None], self.first_node[segments, None]
         mask = ((col >= start) & (col < first)).long()
         on_path = torch.zeros((len(path), width + 1), dtype=torch.long, device=path.device)
         on_path.scatter_(1, torch.where(path >= 0, first + path, width), 1)  # column `width` takes the -1s
@@ -542,7 +548,7 @@ def generate_with_drafts(
         # segment's packed row; the columns after the last one any resumed row needs are cropped.
         prefix = torch.arange(width_d, device=device)[None, :] < a_acc[:, None]
         path = torch.where(prefix, tree.path[active], -1)
-        first = (tree.start + tree.prompt_len)[sel]
+        first = tree.first_node[sel]
         kept = int((first + (path.max(dim=1).values + 1 if width_d else 0)).max())
         if kept < tree.ids.shape[1]:
             cache.crop(kept - tree.ids.shape[1])
@@ -573,18 +579,9 @@ def generate_with_drafts(
             alive &= (tok != eos_id) & (len(cont_tokens) < budget)
             if not alive.any():
                 break
-            in_cache, attn, pos = drop_finished_rows(cache, in_cache, alive, attn, pos)
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-            out = model(
-                input_ids=tok[in_cache, None],
-                attention_mask=attn,
-                position_ids=pos[:, None],
-                cache=cache,
-                use_cache=True,
-            )
+            in_cache, attn, pos, new_logits = decode_step(model, cache, in_cache, alive, tok, attn, pos)
             decode_steps += 1
-            pos = pos + 1
-            new_rows = filtered_logprobs(out.logits[:, -1], temperature, top_k, top_p)
+            new_rows = filtered_logprobs(new_logits, temperature, top_k, top_p)
             step_logp = logp = step_logp.index_copy(0, in_cache, new_rows)
 
     # ---- 4. assemble: accepted prefix + continuation, log-probs of the current policy everywhere
