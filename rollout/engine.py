@@ -6,7 +6,9 @@ computed from the attention mask so padded rows see the same positions as unpadd
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from functools import cache as memoize
 
 import torch
 
@@ -67,6 +69,28 @@ def distinct_prompts(prompts: list[list[int]], pad_id: int, device=None):
     return ids, mask, torch.tensor(row_of, dtype=torch.long, device=device)
 
 
+@memoize
+def _cache_keyword(forward_owner: type) -> str:
+    # transformers 5.2x renamed the forward's `past_key_values` to `cache`; an older release silently puts an
+    # unknown `cache=` into **kwargs and decodes every token without its context.
+    params = inspect.signature(forward_owner.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def with_cache(model, cache) -> dict:
+    """The keyword arguments that hand `cache` to `model`'s forward under this transformers' name for it."""
+    return {_cache_keyword(type(model)): cache, "use_cache": True}
+
+
+def check_cache_filled(cache, tokens: int) -> None:
+    """Fail loudly if a forward that was handed `cache` did not fill it (a KV cache silently ignored)."""
+    if cache.get_seq_length() < tokens:
+        raise RuntimeError(
+            f"the model's forward did not fill the KV cache it was given ({cache.get_seq_length()} of "
+            f"{tokens} positions): this transformers release names the cache argument differently"
+        )
+
+
 @torch.no_grad()
 def prefill_distinct(model, prompts: list[list[int]], pad_id: int):
     """Prefill each distinct prompt once, with a fresh KV cache.
@@ -84,10 +108,10 @@ def prefill_distinct(model, prompts: list[list[int]], pad_id: int):
         input_ids=ids,
         attention_mask=attn,
         position_ids=position_ids_from_mask(attn),
-        cache=cache,
-        use_cache=True,
         logits_to_keep=1,
+        **with_cache(model, cache),
     )
+    check_cache_filled(cache, ids.shape[1])
     return cache, out.logits[:, -1], ids, mask, row_of
 
 
@@ -165,7 +189,6 @@ def decode_step(model, cache, in_cache: torch.Tensor, alive: torch.Tensor, token
         input_ids=tokens[in_cache, None],
         attention_mask=attn,
         position_ids=pos[:, None],
-        cache=cache,
-        use_cache=True,
+        **with_cache(model, cache),
     )
     return in_cache, attn, pos + 1, out.logits[:, -1]

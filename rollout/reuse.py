@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from bitrl.rollout.engine import Rollout, decode_step, distinct_prompts
+from bitrl.rollout.engine import Rollout, check_cache_filled, decode_step, distinct_prompts, with_cache
 from bitrl.rollout.sampling import filtered_logprobs
 
 MODES = ("spec-rl", "exact")
@@ -499,9 +499,9 @@ def generate_with_drafts(
         input_ids=tree.ids,
         attention_mask=_as_attention_mask(tree.attention(), model),
         position_ids=tree.position,
-        cache=cache,
-        use_cache=True,
+        **with_cache(model.base_model, cache),
     ).last_hidden_state
+    check_cache_filled(cache, tree.ids.shape[1])
     predicting = hidden[tree.row[:, None], tree.prediction_columns()]  # [S, N+1, H]
     # [S, N+1, V]: column 0 predicts a response's first token, column 1 + j the token after node j
     node_logp = filtered_logprobs(model.get_output_embeddings()(predicting), temperature, top_k, top_p)

@@ -193,3 +193,19 @@ def test_mx_rollout_scale_mode_reaches_every_layer_and_survives_sync(tiny_qwen, 
     scale = (2**exponent).expand(-1, -1, 32).reshape(src.shape)
     within_rounding = bool((err <= scale * (1 + 1e-6)).all())
     assert within_rounding == (mode == "rceil")
+
+
+def test_a_kv_cache_the_forward_ignored_is_an_error(tiny_qwen):
+    """A forward handed the cache under a name it does not know leaves it empty: caught, never decoded."""
+    from transformers import DynamicCache
+
+    from bitrl.rollout.engine import check_cache_filled, with_cache
+
+    ids = torch.tensor([[3, 4, 5]])
+    ignored = DynamicCache(config=tiny_qwen.config)
+    tiny_qwen(input_ids=ids, unknown_cache_name=ignored, use_cache=True)
+    with pytest.raises(RuntimeError, match="did not fill the KV cache"):
+        check_cache_filled(ignored, 3)
+    used = DynamicCache(config=tiny_qwen.config)
+    tiny_qwen(input_ids=ids, **with_cache(tiny_qwen, used))
+    check_cache_filled(used, 3)
