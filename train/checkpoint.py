@@ -36,18 +36,27 @@ def save_checkpoint(run_dir: str | Path, state: dict) -> Path:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / CHECKPOINT_NAME
-    tmp = run_dir / (CHECKPOINT_NAME + ".tmp")
+    _atomic_write(final, lambda f: torch.save(state, f))
+    return final
+
+
+def _atomic_write(final: Path, write) -> None:
+    """write(f) into final + ".tmp", fsync it, rename it over `final`, fsync the directory."""
+    tmp = final.with_name(final.name + ".tmp")
     with open(tmp, "wb") as f:
-        torch.save(state, f)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    dir_fd = os.open(run_dir, os.O_RDONLY)
+    _fsync_dir(final.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return final
 
 
 def load_checkpoint(run_dir: str | Path) -> dict:
@@ -55,3 +64,77 @@ def load_checkpoint(run_dir: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sharded checkpoints of data-parallel runs (bitrl.train.distributed): one directory per checkpoint, holding
+# the policy's and optimizer's shards (torch.distributed.checkpoint) and one small file per rank with its
+# own state (random generators, ...). checkpoint.json names the current directory; rewriting it atomically
+# is the commit point, so a crash (or a killed rank) leaves the previous checkpoint whole.
+
+SHARDED_POINTER = "checkpoint.json"
+
+
+def save_sharded_checkpoint(
+    run_dir: str | Path, step: int, model: torch.nn.Module, optimizer, rank_state: dict
+) -> Path:
+    """Called by every rank. model: the FSDP2-sharded policy; rank_state: this rank's own state (anything
+    torch.save takes). Returns the checkpoint directory."""
+    import json
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    run_dir = Path(run_dir)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final = run_dir / f"checkpoint-{step:07d}"
+    tmp = run_dir / (final.name + ".tmp")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)  # fsyncs each file
+    _atomic_write(tmp / f"rank{rank}.pt", lambda f: torch.save(rank_state, f))
+    dist.barrier()
+    if rank == 0:
+        _fsync_dir(tmp)
+        os.replace(tmp, final)
+        _fsync_dir(run_dir)
+        pointer = {"dir": final.name, "step": step, "world_size": world}
+        _atomic_write(run_dir / SHARDED_POINTER, lambda f: f.write(json.dumps(pointer).encode()))
+        for old in run_dir.glob("checkpoint-*"):
+            if old.name != final.name:
+                _remove_tree(old)
+    dist.barrier()
+    return final
+
+
+def load_sharded_checkpoint(run_dir: str | Path, model: torch.nn.Module, optimizer) -> dict:
+    """Load the current sharded checkpoint into `model` and `optimizer` in place (same world size as when
+    it was saved); returns this rank's own state."""
+    import json
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    run_dir = Path(run_dir)
+    pointer_path = run_dir / SHARDED_POINTER
+    if not pointer_path.is_file():
+        raise FileNotFoundError(f"no sharded checkpoint at {run_dir} (no {SHARDED_POINTER})")
+    pointer = json.loads(pointer_path.read_text())
+    if pointer["world_size"] != dist.get_world_size():
+        raise ValueError(
+            f"{run_dir} was saved by {pointer['world_size']} ranks; resume it with --nproc "
+            f"{pointer['world_size']} (this run has {dist.get_world_size()})"
+        )
+    path = run_dir / pointer["dir"]
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return torch.load(path / f"rank{dist.get_rank()}.pt", map_location="cpu", weights_only=False)
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

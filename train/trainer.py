@@ -7,6 +7,7 @@ import torch
 from bitrl.kernels import fused_linear_policy_loss
 from bitrl.kernels.core_algos import LossConfig, ais_coefficients
 from bitrl.rollout.engine import Rollout
+from bitrl.train.distributed import call_as_forward, full_tensor, gather_rows, global_counts, reduce_metrics
 from bitrl.train.logprobs import response_hidden_states, token_logprobs
 from bitrl.train.mismatch import mismatch_diagnostics
 
@@ -58,7 +59,9 @@ class PolicyTrainer:
     def forward(self, rollout: Rollout, with_entropy: bool = True):
         """(logprobs, entropy) of the rollout's tokens under the policy, in the trainer's precision."""
         with self.precision():
-            return token_logprobs(self.policy, rollout, self.temperature, with_entropy=with_entropy)
+            return call_as_forward(
+                self.policy, lambda: token_logprobs(self.policy, rollout, self.temperature, with_entropy)
+            )
 
     @torch.no_grad()
     def old_logprobs(self, rollout: Rollout) -> torch.Tensor:
@@ -79,8 +82,12 @@ class PolicyTrainer:
                 part = rollout_rows(rollout, rows)
                 # LM head, log-probs, entropy and loss in one op: no [tokens, vocab] logits, and the
                 # gradient is formed in the forward pass (one matmul fewer than log-probs then loss).
+                # Sharded (FSDP2): run as the root's forward; the root (embeddings, final norm, LM head)
+                # then stays gathered through this micro-batch's loss and backward: one gather of the head.
                 with self.precision():
-                    hidden = response_hidden_states(self.policy, part)
+                    hidden = call_as_forward(self.policy, lambda: response_hidden_states(self.policy, part))
+                # Data-parallel: normalise by the counts over all ranks (None: this batch's own counts).
+                tokens, seqs = global_counts(part.response_mask)
                 head = self.policy.get_output_embeddings()
                 bias = getattr(head, "bias", None)
                 loss, metrics = fused_linear_policy_loss(
@@ -102,6 +109,8 @@ class PolicyTrainer:
                     correction=cfg.correction,
                     **cfg.correction_args,
                     entropy_coef=cfg.entropy_coef,
+                    global_token_count=tokens,
+                    global_seq_count=seqs,
                 )
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"non-finite policy loss {loss.item()} at update {n_updates}")
@@ -114,13 +123,13 @@ class PolicyTrainer:
                 self.scaler.update()
                 metrics = {k: float(v) for k, v in metrics.items() if k in LOGGED_LOSS_METRICS} | {
                     "loss": loss.item(),
-                    "grad_norm": grad_norm.item(),
+                    "grad_norm": float(full_tensor(grad_norm)),
                 }
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 n_updates += 1
-        out = {k: v / n_updates for k, v in sums.items()}
-        out.update(mismatch_diagnostics(old, rollout.logprobs, mask))
+        out = reduce_metrics({k: v / n_updates for k, v in sums.items()}, weight=float(mask.sum()))
+        out.update(mismatch_diagnostics(*gather_rows(old, rollout.logprobs, mask)))  # over all ranks
         # AIS: log the batch coefficient the correction applied (old weights, before the updates)
         if cfg.correction == "ais":
             coef = ais_coefficients(old - rollout.logprobs, mask, LossConfig(**cfg.correction_args))
