@@ -172,11 +172,13 @@ def test_two_ranks_step_equals_one_rank(tmp_path):
     rollout, advantages = global_batch(policy)
     metrics = PolicyTrainer(policy, SimpleNamespace(**TRAIN_CFG)).step(rollout, advantages)
     for variant in ("plain", "checkpointing"):
-        for name, param in policy.named_parameters():
-            # 1e-5 of the tensor's scale: Adam's m / sqrt(v) turns the last-bit differences of a gradient
-            # summed in another order into ~1e-5 relative on its smallest elements
-            scale = float(param.abs().max())
-            torch.testing.assert_close(gathered[variant][name], param.detach(), rtol=0, atol=1e-5 * scale)
+        # 1e-5 relative over the whole model. Not per element: Adam's g / (|g| + eps) turns last-bit
+        # differences of a near-zero gradient summed in another order into ~1e-6 on that element (k_proj's
+        # bias has an exactly zero gradient in exact arithmetic: its 2-step update is rounding noise)
+        got = torch.cat([gathered[variant][n].flatten() for n, _ in policy.named_parameters()])
+        want = torch.cat([p.detach().flatten() for p in policy.parameters()])
+        assert torch.linalg.vector_norm(got - want) <= 1e-5 * torch.linalg.vector_norm(want), variant
+        assert (got - want).abs().max() <= 1e-5, variant
         got = gathered[variant + "_metrics"]
         for key in ("loss", "grad_norm", "mismatch_k1_kl", "mismatch_max_abs_dp"):
             assert got[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
