@@ -55,3 +55,22 @@ def load_checkpoint(run_dir: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def policy_state(policy: torch.nn.Module) -> dict:
+    """What a checkpoint keeps of the policy: its trainable tensors when some are frozen (LoRA: the adapters
+    only; the frozen base is rebuilt from the model it came from), else the whole state dict."""
+    if all(p.requires_grad for p in policy.parameters()):
+        return policy.state_dict()
+    return {name: p.detach() for name, p in policy.named_parameters() if p.requires_grad}
+
+
+def load_policy_state(policy: torch.nn.Module, state: dict) -> None:
+    """Load `policy_state` output back; every trainable tensor must be in it, and nothing unknown."""
+    missing, unexpected = policy.load_state_dict(state, strict=False)
+    trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
+    lost = sorted(trainable & set(missing))
+    if lost or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the policy: missing {lost[:3]}, unexpected {sorted(unexpected)[:3]}"
+        )
