@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -53,10 +54,33 @@ def build(cfg: Config):
     return policy, tokenizer, task
 
 
-def check_memory_plan(cfg: Config, policy, tokenizer, task, force: bool = False, log=print):
+# The plan runs before any model or tokenizer exists: prompt lengths are bounded, not measured. A demo
+# prompt is one token per character; other tasks are planned for prompts of up to this many tokens.
+PLANNED_PROMPT_TOKENS = 256
+
+
+def model_config(cfg: Config):
+    """The policy's Hugging Face config, without loading any weights (None when only loading tells)."""
+    if cfg.model.path:
+        from transformers import AutoConfig
+
+        path = Path(cfg.model.path)
+        return AutoConfig.from_pretrained(path) if (path / "config.json").is_file() else None
+    with torch.device("meta"):  # shapes only, no memory
+        return build_demo_model(cfg.model, CharTokenizer(ArithmeticTask.alphabet).vocab_size).config
+
+
+def check_memory_plan(cfg: Config, force: bool = False, log=print):
     """Print the run's memory plan; refuse (ConfigError) a plan over 95% of the device unless `force`."""
-    prompts = encode_prompts(tokenizer, task.eval_problems, cfg.task.prompt_template)
-    plan = plan_memory(cfg, policy.config, prompt_tokens=max(len(p) for p in prompts))
+    config = model_config(cfg)
+    if config is None:
+        log("memory plan: skipped, the model's shape is known only once it is loaded")
+        return None
+    prompt_tokens = PLANNED_PROMPT_TOKENS
+    if not cfg.model.path and cfg.task.kind == "arithmetic":
+        widest = f"{'9' * cfg.task.digits}+{'9' * cfg.task.digits}="
+        prompt_tokens = len(cfg.task.prompt_template.format(prompt=widest)) + 1
+    plan = plan_memory(cfg, config, prompt_tokens=prompt_tokens)
     log(plan.line())
     refusal = plan.refusal()
     if refusal and not force:
@@ -89,9 +113,9 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     torch.manual_seed(cfg.seed)
 
     device = cfg.torch_device
+    check_memory_plan(cfg, force, log)
     policy, tokenizer, task = build(cfg)
     policy.to(device)
-    check_memory_plan(cfg, policy, tokenizer, task, force, log)
     if not resume:
         (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
     # LoRA adapts the warm-started model, so a resumed LoRA run rebuilds that base (cached) first.

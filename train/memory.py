@@ -117,14 +117,13 @@ class MemoryPlan:
         return self.total / max(self.device_bytes, 1.0)
 
     def line(self) -> str:
-        """One line starting `memory plan:` with every part in GiB and the share of the device."""
-        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.parts.items() if not k.startswith("_"))
+        """One line starting `memory plan:` with every part and the share of the device."""
+        parts = ", ".join(f"{k} {_size(v)}" for k, v in self.parts.items() if not k.startswith("_"))
         ranks = f" per rank of {self.world_size}" if self.world_size > 1 else ""
         return (
-            f"memory plan: {self.total / GiB:.2f} GiB{ranks} of {self.device_bytes / GiB:.1f} GiB "
-            f"{self.device_name} ({100 * self.fraction:.0f}%) = {parts} (GiB); activations without "
-            f"checkpointing {self.parts['_activations_plain'] / GiB:.2f}, with "
-            f"{self.parts['_activations_checkpointed'] / GiB:.2f}"
+            f"memory plan: {_size(self.total)}{ranks} of {_size(self.device_bytes)} {self.device_name} "
+            f"({100 * self.fraction:.1f}%) = {parts}; activations per micro-batch without checkpointing "
+            f"{_size(self.parts['_activations_plain'])}, with {_size(self.parts['_activations_checkpointed'])}"
         )
 
     def refusal(self) -> str | None:
@@ -132,12 +131,19 @@ class MemoryPlan:
         if self.fraction <= REFUSE_FRACTION:
             return None
         biggest = sorted(((v, k) for k, v in self.parts.items() if k in self.settings), reverse=True)
-        advice = "; ".join(f"{k} ({v / GiB:.2f} GiB): {self.settings[k]}" for v, k in biggest[:3])
+        advice = "; ".join(f"{k} ({_size(v)}): {self.settings[k]}" for v, k in biggest[:3])
         return (
-            f"the run needs {self.total / GiB:.2f} GiB, {100 * self.fraction:.0f}% of the "
-            f"{self.device_bytes / GiB:.1f} GiB {self.device_name} (limit {100 * REFUSE_FRACTION:.0f}%). "
+            f"the run needs {_size(self.total)}, {100 * self.fraction:.0f}% of the "
+            f"{_size(self.device_bytes)} {self.device_name} (limit {100 * REFUSE_FRACTION:.0f}%). "
             f"Largest parts: {advice}. Or pass --force to run anyway."
         )
+
+
+def _size(n: float) -> str:
+    for unit, name in ((GiB, "GiB"), (2**20, "MiB")):
+        if n >= unit:
+            return f"{n / unit:.2f} {name}"
+    return f"{n / 1024:.1f} KiB"
 
 
 def plan_memory(

@@ -87,7 +87,11 @@ class PolicyTrainer:
         )
         if getattr(cfg, "gradient_checkpointing", False):
             # non-reentrant: gradients reach LoRA adapters even though the layer inputs need no gradient
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = {"use_reentrant": False}
+            if hasattr(policy, "activation_checkpointing_enable"):  # the newer transformers name
+                policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         # Mixed precision: the forward runs under autocast; fp16 also scales the loss so that small gradients
         # do not flush to zero.
         self.device_type = self.trainable[0].device.type
