@@ -24,6 +24,27 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraConfig(Section):
+    """LoRA adapters (peft) on the policy; the rollout copy receives the merged weights."""
+
+    rank: int = Field(0, ge=0)  # 0: no LoRA, every parameter trains
+    alpha: float = Field(32.0, gt=0)  # the update is scaled by alpha / rank
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # Module names (suffixes) that get adapters; "all-linear" is every linear layer but the LM head.
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    # QeRL-style frozen base: "full" keeps it in model.dtype; fp8/mxfp4/nvfp4 store it quantized once,
+    # shared by the trainer and the rollout copy so that both see bit-identical base weights.
+    base_precision: Literal["full", "fp8", "mxfp4", "nvfp4"] = "full"
+
+    @model_validator(mode="after")
+    def _targets(self):
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("model.lora.target_modules must name at least one module, or be 'all-linear'")
+        if self.base_precision != "full" and not self.rank:
+            raise ValueError("model.lora.base_precision needs LoRA: set model.lora.rank > 0")
+        return self
+
+
 class ModelConfig(Section):
     path: str | None = None  # a local Hugging Face model directory; None builds the demo model below
     arch: Literal["qwen2", "llama"] = "qwen2"
@@ -33,7 +54,10 @@ class ModelConfig(Section):
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
     tie_embeddings: bool = True
+    # Storage dtype of the loaded weights. With bfloat16/float16 the trainable parameters are still kept in
+    # fp32 (train.master_weights) and only the frozen ones (a LoRA base) stay in this dtype.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: LoraConfig = LoraConfig()
 
     @model_validator(mode="after")
     def _heads_divide(self):
@@ -141,6 +165,16 @@ class TrainConfig(Section):
     correction: str = "none"
     # Parameters of the correction, e.g. {"correction_cap": 2.0} or {"icepop_alpha": 0.5, "icepop_beta": 5.0}.
     correction_args: dict[str, float] = {}
+    # Trainable parameters and AdamW states in fp32 ("fp32"; the forward runs under autocast in model.dtype)
+    # or in model.dtype ("model": plain bf16, half the memory, but updates below bf16's 2^-8 relative
+    # resolution are rounded away; RL learning rates of 1e-6..1e-5 are mostly below it).
+    master_weights: Literal["fp32", "model"] = "fp32"
+    # Recompute each decoder layer in the backward pass instead of storing its activations.
+    gradient_checkpointing: bool = False
+    # Token budget of one micro-batch (rows x padded length) for the old-log-prob pass and the update;
+    # gradients accumulate over a minibatch's micro-batches, so the update equals the one-batch update.
+    # 0: one micro-batch per minibatch.
+    micro_batch_tokens: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _names(self):

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import random
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from bitrl.engine.config import Config
+from bitrl.engine.config import Config, ConfigError
 from bitrl.engine.evaluate import accuracy, encode_prompts, score
 from bitrl.engine.models import build_demo_model, load_pretrained
 from bitrl.engine.report import plot_metrics
@@ -21,7 +22,16 @@ from bitrl.rollout.engine import generate
 from bitrl.rollout.precision import make_rollout_model, sync_rollout_model_
 from bitrl.rollout.reuse import SpeculativeReuse, draw_prompt_pool, fixed_prompt_batch
 from bitrl.train.advantages import compute_advantages
-from bitrl.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from bitrl.train.checkpoint import (
+    load_checkpoint,
+    load_policy_state,
+    policy_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from bitrl.train.lora import apply_lora
+from bitrl.train.memory import plan_memory
 from bitrl.train.trainer import PolicyTrainer
 
 
@@ -44,8 +54,56 @@ def build(cfg: Config):
     return policy, tokenizer, task
 
 
-def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
-    """Train as `cfg` says; with `resume`, continue from cfg.run_dir's checkpoint. Returns the metrics."""
+# The plan runs before any model or tokenizer exists: prompt lengths are bounded, not measured. A demo
+# prompt is one token per character; other tasks are planned for prompts of up to this many tokens.
+PLANNED_PROMPT_TOKENS = 256
+
+
+def model_config(cfg: Config):
+    """The policy's Hugging Face config, without loading any weights (None when only loading tells)."""
+    if cfg.model.path:
+        from transformers import AutoConfig
+
+        path = Path(cfg.model.path)
+        return AutoConfig.from_pretrained(path) if (path / "config.json").is_file() else None
+    with torch.device("meta"):  # shapes only, no memory
+        return build_demo_model(cfg.model, CharTokenizer(ArithmeticTask.alphabet).vocab_size).config
+
+
+def check_memory_plan(cfg: Config, force: bool = False, log=print):
+    """Print the run's memory plan; refuse (ConfigError) a plan over 95% of the device unless `force`."""
+    config = model_config(cfg)
+    if config is None:
+        log("memory plan: skipped, the model's shape is known only once it is loaded")
+        return None
+    prompt_tokens = PLANNED_PROMPT_TOKENS
+    if not cfg.model.path and cfg.task.kind == "arithmetic":
+        widest = f"{'9' * cfg.task.digits}+{'9' * cfg.task.digits}="
+        prompt_tokens = len(cfg.task.prompt_template.format(prompt=widest)) + 1
+    plan = plan_memory(cfg, config, prompt_tokens=prompt_tokens)
+    log(plan.line())
+    refusal = plan.refusal()
+    if refusal and not force:
+        raise ConfigError(f"memory plan: {refusal}")
+    return plan
+
+
+def prepare_policy(policy, cfg: Config):
+    """The trained form of the policy: LoRA adapters (and a quantized frozen base) when model.lora asks."""
+    return apply_lora(policy, cfg.model.lora) if cfg.model.lora.rank else policy
+
+
+def rollout_precision(cfg: Config) -> str:
+    """rollout.precision, with "full" meaning model.dtype (fp32 master weights must not leak into it)."""
+    if cfg.rollout.precision != "full" or cfg.model.lora.base_precision != "full":
+        return cfg.rollout.precision
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.model.dtype, "full")
+
+
+def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> list[dict]:
+    """Train as `cfg` says; with `resume`, continue from cfg.run_dir's checkpoint. Returns the metrics.
+
+    force: run even when the memory plan says the run needs over 95% of the device's memory."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     run_dir = cfg.run_dir
@@ -55,8 +113,15 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
     torch.manual_seed(cfg.seed)
 
     device = cfg.torch_device
+    check_memory_plan(cfg, force, log)
     policy, tokenizer, task = build(cfg)
     policy.to(device)
+    if not resume:
+        (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+    # LoRA adapts the warm-started model, so a resumed LoRA run rebuilds that base (cached) first.
+    if not resume or cfg.model.lora.rank:
+        warm_start(policy, tokenizer, task, cfg, log=log)
+    policy = prepare_policy(policy, cfg)
     trainer = PolicyTrainer(policy, cfg.train, temperature=cfg.rollout.temperature)
     sampler = torch.Generator(device).manual_seed(cfg.seed)  # drives every rollout sample
     data_rng = random.Random(f"data-{cfg.seed}")  # drives which training prompts are drawn
@@ -67,7 +132,7 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
 
     if resume:
         state = load_checkpoint(run_dir)
-        policy.load_state_dict(state["policy"])
+        load_policy_state(policy, state["policy"])
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.scaler.load_state_dict(state["scaler"])
         sampler.set_state(state["sampler"])
@@ -78,8 +143,6 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
         start_step, records = state["step"], state["records"]
         log(f"resumed {run_dir} at step {start_step}")
     else:
-        (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
-        warm_start(policy, tokenizer, task, cfg, log=log)
         start_step, records = (
             0,
             [{"step": 0, "accuracy": accuracy(policy, tokenizer, task.eval_problems, cfg)}],
@@ -89,9 +152,8 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
     # The rollout copy in its own precision (bf16, fp8, mxfp4, ...), synced after every update.
-    rollout_model = make_rollout_model(
-        policy, cfg.rollout.precision, cfg.rollout.act_quant, cfg.rollout.mx_scale_mode
-    )
+    precision = rollout_precision(cfg)
+    rollout_model = make_rollout_model(policy, precision, cfg.rollout.act_quant, cfg.rollout.mx_scale_mode)
     aqn = None
     if cfg.rollout.aqn_stages:  # adaptive quantization noise on the rollout copy's RMSNorm weights
         aqn = AQN(AQNSchedule(cfg.steps, num_stages=cfg.rollout.aqn_stages), seed=cfg.seed)
@@ -131,7 +193,7 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
                 reuse.cache.discard(draft_keys[row])
         # 3. train, then 4. sync the rollout copy
         metrics = trainer.step(rollout, advantages)
-        sync_rollout_model_(rollout_model, policy, cfg.rollout.precision)
+        sync_rollout_model_(rollout_model, policy, precision)
         step_time = time.perf_counter() - t0
 
         record = {
@@ -142,6 +204,7 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
             "response_len": rollout.num_tokens / rollout.response_mask.shape[0],
             "tokens_per_s": rollout.num_tokens / step_time,
             "rollout_time_s": t_rollout,
+            "trainable_params": trainer.trainable_parameters,
             "step_time_s": step_time,
             **(reuse.last_metrics if reuse is not None else {}),
             **({"aqn_sigma": aqn_sigma} if aqn is not None else {}),
@@ -158,7 +221,7 @@ def run(cfg: Config, resume: bool = False, log=print) -> list[dict]:
                 run_dir,
                 {
                     "step": step + 1,
-                    "policy": policy.state_dict(),
+                    "policy": policy_state(policy),
                     "optimizer": trainer.optimizer.state_dict(),
                     "scaler": trainer.scaler.state_dict(),
                     "sampler": sampler.get_state(),

@@ -17,6 +17,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--config", help="YAML or JSON config file")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR")
+    parser.add_argument("--force", action="store_true", help="run even if the memory plan is over 95%%")
     parser.add_argument(
         "overrides", nargs="*", help="section.key=value, e.g. train.lr=5e-4 rollout.group_size=4"
     )
@@ -38,7 +39,11 @@ def main(argv: list[str]) -> int:
     from bitrl.engine.loop import run, summarize
 
     t0 = time.perf_counter()
-    records = run(cfg, resume=bool(args.resume))
+    try:
+        records = run(cfg, resume=bool(args.resume), force=args.force)
+    except ConfigError as e:  # refused by the memory plan, or a setting the model cannot take
+        print(f"bitrl train: {e}", file=sys.stderr)
+        return 2
     summary = summarize(records) | {"wall_time_s": round(time.perf_counter() - t0, 1)}
     print(json.dumps(summary))
     print(f"metrics: {cfg.run_dir / 'metrics.jsonl'}  report: {cfg.run_dir / 'report.png'}")

@@ -89,8 +89,8 @@ def worker_trainer(out: Path) -> None:
     from bitrl.train.distributed import (
         full_tensor,
         init_distributed,
+        is_sharded,
         rank_groups,
-        shard_policy,
         sync_rollout_model_sharded_,
     )
     from bitrl.train.trainer import PolicyTrainer, rollout_rows
@@ -103,11 +103,10 @@ def worker_trainer(out: Path) -> None:
     gathered = {}
     for variant in ("plain", "checkpointing"):
         policy = tiny_policy()
-        if variant == "checkpointing":
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         copies = {p: make_rollout_model(policy, p) for p in ("full", "mxfp4")}
-        shard_policy(policy, "none")
-        trainer = PolicyTrainer(policy, SimpleNamespace(**TRAIN_CFG))
+        cfg = SimpleNamespace(**TRAIN_CFG, gradient_checkpointing=variant == "checkpointing")
+        trainer = PolicyTrainer(policy, cfg)  # shards the policy: this process is one of 2 ranks
+        assert is_sharded(policy)
         metrics = trainer.step(rollout_rows(rollout, rows), advantages[rows])
         gathered[variant] = {n: full_tensor(p.detach()).clone() for n, p in policy.named_parameters()}
         gathered[variant + "_metrics"] = metrics

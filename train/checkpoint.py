@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,25 @@ def load_checkpoint(run_dir: str | Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def policy_state(policy: torch.nn.Module) -> dict:
+    """What a checkpoint keeps of the policy: its trainable tensors when some are frozen (LoRA: the adapters
+    only; the frozen base is rebuilt from the model it came from), else the whole state dict."""
+    if all(p.requires_grad for p in policy.parameters()):
+        return policy.state_dict()
+    return {name: p.detach() for name, p in policy.named_parameters() if p.requires_grad}
+
+
+def load_policy_state(policy: torch.nn.Module, state: dict) -> None:
+    """Load `policy_state` output back; every trainable tensor must be in it, and nothing unknown."""
+    missing, unexpected = policy.load_state_dict(state, strict=False)
+    trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
+    lost = sorted(trainable & set(missing))
+    if lost or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the policy: missing {lost[:3]}, unexpected {sorted(unexpected)[:3]}"
+        )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Sharded checkpoints of data-parallel runs (bitrl.train.distributed): one directory per checkpoint, holding
 # the policy's and optimizer's shards (torch.distributed.checkpoint) and one small file per rank with its
@@ -73,6 +93,13 @@ def load_checkpoint(run_dir: str | Path) -> dict:
 # is the commit point, so a crash (or a killed rank) leaves the previous checkpoint whole.
 
 SHARDED_POINTER = "checkpoint.json"
+
+
+def _sharded_options():
+    """Frozen parameters (a LoRA base) are left out, as `policy_state` does for one-file checkpoints."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True)
 
 
 def save_sharded_checkpoint(
@@ -90,7 +117,7 @@ def save_sharded_checkpoint(
     rank, world = dist.get_rank(), dist.get_world_size()
     final = run_dir / f"checkpoint-{step:07d}"
     tmp = run_dir / (final.name + ".tmp")
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_sharded_options())
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)  # fsyncs each file
     _atomic_write(tmp / f"rank{rank}.pt", lambda f: torch.save(rank_state, f))
     dist.barrier()
@@ -102,7 +129,7 @@ def save_sharded_checkpoint(
         _atomic_write(run_dir / SHARDED_POINTER, lambda f: f.write(json.dumps(pointer).encode()))
         for old in run_dir.glob("checkpoint-*"):
             if old.name != final.name:
-                _remove_tree(old)
+                shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
@@ -127,14 +154,14 @@ def load_sharded_checkpoint(run_dir: str | Path, model: torch.nn.Module, optimiz
             f"{pointer['world_size']} (this run has {dist.get_world_size()})"
         )
     path = run_dir / pointer["dir"]
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_sharded_options())
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_sharded_options(),
+    )
     return torch.load(path / f"rank{dist.get_rank()}.pt", map_location="cpu", weights_only=False)
-
-
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)

@@ -118,13 +118,12 @@ def pad_to_global_width(rollout, pad_id: int):
 # -------------------------------------------------------------------------------------- loss and metrics
 
 
-def global_counts(mask: torch.Tensor):
-    """(tokens, sequences) of a micro-batch summed over ranks, as fp32 tensors; (None, None) when not
-    distributed, where the loss normalises by the local counts itself. mask: [B, T] bool."""
-    if not is_distributed():
-        return None, None
+def global_counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, sequences) of a [B, T] bool mask as fp32 scalars, summed over ranks when data-parallel: the
+    loss normalisers that make the ranks' gradients add up to the global batch's."""
     counts = torch.stack([mask.sum(), torch.tensor(mask.shape[0], device=mask.device)]).float()
-    dist.all_reduce(counts)
+    if is_distributed():
+        dist.all_reduce(counts)
     return counts[0], counts[1]
 
 

@@ -1,13 +1,30 @@
-"""One RL training step: old log-probs recomputed by the trainer, then several clipped-ratio updates."""
+"""One RL training step: old log-probs recomputed by the trainer, then several clipped-ratio updates.
+
+Sized for real models: micro-batches by token budget with gradient accumulation (the loss normalisers and the
+rollout-correction weights are those of the whole minibatch, so the accumulated gradient is the one-batch
+gradient), gradient checkpointing, fp32 master weights under a bf16/fp16 forward, and an optimizer over the
+trainable parameters only (the LoRA adapters when there are some).
+"""
 
 from __future__ import annotations
+
+import time
+from functools import partial
 
 import torch
 
 from bitrl.kernels import fused_linear_policy_loss
-from bitrl.kernels.core_algos import LossConfig, ais_coefficients
+from bitrl.kernels.core_algos import LossConfig, ais_coefficients, get_correction
 from bitrl.rollout.engine import Rollout
-from bitrl.train.distributed import call_as_forward, full_tensor, gather_rows, global_counts, reduce_metrics
+from bitrl.train.distributed import (
+    call_as_forward,
+    full_tensor,
+    gather_rows,
+    global_counts,
+    is_distributed,
+    reduce_metrics,
+    shard_policy,
+)
 from bitrl.train.logprobs import response_hidden_states, token_logprobs
 from bitrl.train.mismatch import mismatch_diagnostics
 
@@ -27,29 +44,81 @@ LOGGED_LOSS_METRICS = (
 )
 
 
+# Metrics combined over micro-batches by max / min instead of a token-weighted mean.
+_MAX_METRICS, _MIN_METRICS = ("ratio_max", "is_weight_max"), ("is_weight_min",)
+_HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def rollout_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
     return Rollout(*(getattr(rollout, f)[rows] for f in Rollout.__dataclass_fields__))
+
+
+def micro_batches(rows: torch.Tensor, seq_len: int, token_budget: int) -> list[torch.Tensor]:
+    """Split row indices into micro-batches of at most `token_budget` padded tokens (at least one row each);
+    token_budget 0 keeps them whole."""
+    if not token_budget:
+        return [rows]
+    return list(rows.split(max(1, token_budget // seq_len)))
+
+
+def correction_weights(old, rollout_logprobs, mask, name: str, args: dict):
+    """The rollout correction of a whole minibatch, from the old (trainer) and rollout log-probs: (weights
+    [B, T] fp32 or None, keep [B, T] bool). Computed once per minibatch so that batch-level corrections (AIS)
+    and token counts after masking do not depend on how the minibatch is split into micro-batches."""
+    m = mask.float()
+    log_rho = (old.float() - rollout_logprobs.float()) * m
+    result = get_correction(name)(log_rho, m, LossConfig(**args))
+    keep = mask if result.keep is None else mask & result.keep
+    weight = None if result.weight is None else result.weight.detach().float()
+    return weight, keep
 
 
 class PolicyTrainer:
     """Owns the policy's optimizer and applies one RL update per rollout batch.
 
-    cfg: a bitrl.engine.config.TrainConfig (any object with the same fields works).
+    cfg: a bitrl.engine.config.TrainConfig (any object with the same fields works; the real-size fields
+    master_weights, gradient_checkpointing and micro_batch_tokens default to fp32 / off / 0).
     """
 
     def __init__(self, policy: torch.nn.Module, cfg, temperature: float = 1.0):
         self.policy, self.cfg, self.temperature = policy, cfg, temperature
+        self.micro_batch_tokens = getattr(cfg, "micro_batch_tokens", 0)
+        self.trainable = [p for p in policy.parameters() if p.requires_grad]
+        if not self.trainable:
+            raise ValueError("the policy has no trainable parameters")
+        # The dtype the weights were loaded in; with fp32 master weights only the trainable ones are upcast
+        # (a frozen LoRA base keeps its storage dtype) and the forward runs under autocast in this dtype.
+        self.model_dtype = self.trainable[0].dtype
+        if getattr(cfg, "master_weights", "fp32") == "fp32":
+            for p in self.trainable:
+                p.data = p.data.float()
+        if is_distributed():  # data-parallel: parameters, gradients, optimizer states sharded (FSDP2)
+            shard_policy(policy, getattr(cfg, "fsdp_mixed_precision", "auto"))
+            self.trainable = [p for p in policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            policy.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+            self.trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
         )
-        # Mixed precision: the weights and the optimizer stay in the model's dtype, the forward runs under
-        # autocast; fp16 also scales the loss so that small gradients do not flush to zero.
-        self.device_type = next(policy.parameters()).device.type
+        if getattr(cfg, "gradient_checkpointing", False):
+            # non-reentrant: gradients reach LoRA adapters even though the layer inputs need no gradient
+            kwargs = {"use_reentrant": False}
+            if hasattr(policy, "activation_checkpointing_enable"):  # the newer transformers name
+                policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        # Mixed precision: the forward runs under autocast; fp16 also scales the loss so that small gradients
+        # do not flush to zero.
+        self.device_type = self.trainable[0].device.type
         self.autocast = getattr(cfg, "autocast", "none")
-        if self.autocast == "auto":
-            self.autocast = "bf16" if self.device_type == "cuda" else "none"
+        if self.autocast == "auto":  # bf16 on a GPU; on a CPU the dtype the weights were loaded in
+            self.autocast = "bf16" if self.device_type == "cuda" else _HALF.get(self.model_dtype, "none")
+        if self.autocast == "fp16" and is_distributed():
+            raise ValueError("train.autocast=fp16 runs on one rank only (no sharded loss scaling); use bf16")
         # A disabled GradScaler passes everything through, so fp32/bf16 take the same code path.
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.autocast == "fp16")
+
+    @property
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.trainable)
 
     def precision(self):
         """The trainer's forward precision: autocast to bf16/fp16, or a no-op."""
@@ -60,71 +129,106 @@ class PolicyTrainer:
         """(logprobs, entropy) of the rollout's tokens under the policy, in the trainer's precision."""
         with self.precision():
             return call_as_forward(
-                self.policy, lambda: token_logprobs(self.policy, rollout, self.temperature, with_entropy)
+                self.policy, partial(token_logprobs, self.policy, rollout, self.temperature, with_entropy)
             )
+
+    def micro_batches(self, rows: torch.Tensor, rollout: Rollout) -> list[torch.Tensor]:
+        seq_len = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
+        return micro_batches(rows, seq_len, self.micro_batch_tokens)
 
     @torch.no_grad()
     def old_logprobs(self, rollout: Rollout) -> torch.Tensor:
         """Log-probs of the sampled tokens under the current weights, before any update: [B, R] fp32."""
-        return self.forward(rollout, with_entropy=False)[0]
+        rows = torch.arange(rollout.response_ids.shape[0], device=rollout.response_ids.device)
+        parts = [self.forward(rollout_rows(rollout, r), False)[0] for r in self.micro_batches(rows, rollout)]
+        return torch.cat(parts)
+
+    def backward(self, rollout: Rollout, old: torch.Tensor, advantages: torch.Tensor):
+        """Accumulate into .grad the gradient of the minibatch loss, one micro-batch at a time.
+
+        rollout: the minibatch; old, advantages: its [B, R] old log-probs and [B] advantages. Every micro-batch
+        loss is normalised by the minibatch's token and sequence counts, so the micro-batch gradients add up
+        to the one-batch gradient. Returns (loss, metrics) of the whole minibatch as floats.
+        """
+        cfg = self.cfg
+        weights, keep = correction_weights(
+            old, rollout.logprobs, rollout.response_mask, cfg.correction, cfg.correction_args
+        )
+        n_tokens, n_seqs = global_counts(keep)  # over all ranks when data-parallel
+        loss_sum, sums, n_sum = 0.0, {}, 0.0
+        for rows in self.micro_batches(torch.arange(len(old), device=old.device), rollout):
+            part = rollout_rows(rollout, rows)
+            # LM head, log-probs, entropy and loss in one op: no [tokens, vocab] logits, and the gradient is
+            # formed in the forward pass (one matmul fewer than log-probs then loss).
+            # Sharded (FSDP2): run as the root's forward; the root (embeddings, final norm, LM head) then
+            # stays gathered through this micro-batch's loss and backward: one gather of the head.
+            with self.precision():
+                hidden = call_as_forward(self.policy, partial(response_hidden_states, self.policy, part))
+            head = self.policy.get_output_embeddings()
+            bias = getattr(head, "bias", None)
+            loss, metrics = fused_linear_policy_loss(
+                hidden,
+                head.weight.to(hidden.dtype),
+                part.response_ids,
+                old[rows],
+                advantages[rows],
+                keep[rows],
+                bias=None if bias is None else bias.to(hidden.dtype),
+                temperature=self.temperature,
+                compute_entropy=True,
+                loss_type=cfg.loss_type,
+                loss_agg_mode=cfg.aggregation,
+                eps_low=cfg.clip_eps_low,
+                eps_high=cfg.clip_eps_high,
+                clip_ratio_c=cfg.clip_ratio_c,
+                rollout_logprobs=part.logprobs,
+                is_weights=None if weights is None else weights[rows],
+                global_token_count=n_tokens,
+                global_seq_count=n_seqs,
+                **cfg.correction_args,
+                entropy_coef=cfg.entropy_coef,
+            )
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite policy loss {loss.item()}")
+            self.scaler.scale(loss).backward()  # fp16: an overflowing step is skipped and the scale lowered
+            loss_sum += loss.item()
+            n = float(keep[rows].sum())
+            n_sum += n
+            for k, v in metrics.items():
+                if k not in LOGGED_LOSS_METRICS:
+                    continue
+                v = float(v)
+                if k in _MAX_METRICS:
+                    sums[k] = max(sums.get(k, v), v)
+                elif k in _MIN_METRICS:
+                    sums[k] = min(sums.get(k, v), v)
+                else:
+                    sums[k] = sums.get(k, 0.0) + v * n
+        out = {k: v if k in _MAX_METRICS + _MIN_METRICS else v / max(n_sum, 1.0) for k, v in sums.items()}
+        out["masked_frac"] = 1.0 - float(keep.sum()) / max(float(rollout.response_mask.sum()), 1.0)
+        return loss_sum, out
 
     def step(self, rollout: Rollout, advantages: torch.Tensor) -> dict[str, float]:
-        """advantages: [B] fp32, one per response. Returns averaged metrics of the update."""
+        """advantages: [B] fp32, one per response. Returns averaged metrics of the update, with its time split
+        (old_logprobs_time_s, update_time_s)."""
         cfg = self.cfg
         self.policy.train()
+        t0 = time.perf_counter()
         old = self.old_logprobs(rollout)
+        t_old = time.perf_counter() - t0
         mask = rollout.response_mask
         batch = mask.shape[0]
         sums: dict[str, float] = {}
         n_updates = 0
         for _ in range(cfg.updates_per_batch):
             for rows in torch.arange(batch, device=mask.device).chunk(cfg.minibatches):
-                part = rollout_rows(rollout, rows)
-                # LM head, log-probs, entropy and loss in one op: no [tokens, vocab] logits, and the
-                # gradient is formed in the forward pass (one matmul fewer than log-probs then loss).
-                # Sharded (FSDP2): run as the root's forward; the root (embeddings, final norm, LM head)
-                # then stays gathered through this micro-batch's loss and backward: one gather of the head.
-                with self.precision():
-                    hidden = call_as_forward(self.policy, lambda: response_hidden_states(self.policy, part))
-                # Data-parallel: normalise by the counts over all ranks (None: this batch's own counts).
-                tokens, seqs = global_counts(part.response_mask)
-                head = self.policy.get_output_embeddings()
-                bias = getattr(head, "bias", None)
-                loss, metrics = fused_linear_policy_loss(
-                    hidden,
-                    head.weight.to(hidden.dtype),
-                    part.response_ids,
-                    old[rows],
-                    advantages[rows],
-                    part.response_mask,
-                    bias=None if bias is None else bias.to(hidden.dtype),
-                    temperature=self.temperature,
-                    compute_entropy=True,
-                    loss_type=cfg.loss_type,
-                    loss_agg_mode=cfg.aggregation,
-                    eps_low=cfg.clip_eps_low,
-                    eps_high=cfg.clip_eps_high,
-                    clip_ratio_c=cfg.clip_ratio_c,
-                    rollout_logprobs=part.logprobs,
-                    correction=cfg.correction,
-                    **cfg.correction_args,
-                    entropy_coef=cfg.entropy_coef,
-                    global_token_count=tokens,
-                    global_seq_count=seqs,
-                )
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite policy loss {loss.item()} at update {n_updates}")
                 self.optimizer.zero_grad(set_to_none=True)
-                # fp16: an overflowing step is skipped and the scale lowered
-                self.scaler.scale(loss).backward()
+                loss, metrics = self.backward(rollout_rows(rollout, rows), old[rows], advantages[rows])
                 self.scaler.unscale_(self.optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip)
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
-                metrics = {k: float(v) for k, v in metrics.items() if k in LOGGED_LOSS_METRICS} | {
-                    "loss": loss.item(),
-                    "grad_norm": float(full_tensor(grad_norm)),
-                }
+                metrics |= {"loss": loss, "grad_norm": float(full_tensor(grad_norm))}
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 n_updates += 1
@@ -134,4 +238,6 @@ class PolicyTrainer:
         if cfg.correction == "ais":
             coef = ais_coefficients(old - rollout.logprobs, mask, LossConfig(**cfg.correction_args))
             out.update({f"ais_{k}": float(v) for k, v in coef.items()})
+        out["old_logprobs_time_s"] = t_old
+        out["update_time_s"] = time.perf_counter() - t0 - t_old
         return out

@@ -1,0 +1,250 @@
+"""The memory plan of a run, before any work: what the weights, gradients, optimizer states, rollout copy, KV
+cache and activations will take, per rank, against the device's memory.
+
+`plan_memory` is a pure function of (run config, model config, world size, device memory): no model is built.
+Weights, gradients and optimizer states are sharded over `world_size` ranks as FSDP2 (`fully_shard`) does;
+the rollout copy, its KV cache and the activations are per rank (each rank generates and trains its share of
+the prompt groups).
+
+Activations are counted from what autograd keeps for one Llama/Qwen2 decoder layer (per token, in elements):
+two RMSNorms (input and normalised output, kept in fp32 by the Hugging Face implementation), q/k/v and their
+rotary outputs, the attention output and its log-sum-exp (SDPA keeps no [T, T] matrix), and the SwiGLU's
+gate, activation, up and product. With gradient checkpointing only each layer's input is kept, plus one layer's
+activations while it is recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+GiB = 1024**3
+REFUSE_FRACTION = 0.95
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per weight of the quantized formats, scales included: FP8 with a per-row scale, MXFP4 = 4 bits + one
+# E8M0 byte per 32, NVFP4 = 4 bits + one E4M3 byte per 16.
+QUANT_BYTES = {"fp8": 1.0, "mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The fused log-prob/loss op materialises the LM head's logits one chunk at a time (kernels default).
+LOSS_CHUNK_BYTES = {"cpu": 128 * 2**20, "cuda": 1 * GiB}
+
+
+@dataclass
+class ModelShape:
+    """The sizes of a decoder-only transformer that the plan needs (from a Hugging Face config)."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        heads = config.num_attention_heads
+        return cls(
+            vocab=config.vocab_size,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            layers=config.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=getattr(config, "model_type", "") == "qwen2" or bool(getattr(config, "attention_bias", 0)),
+        )
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear layer of one decoder layer."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    @property
+    def linear_params(self) -> int:
+        """Weights of all decoder-layer linears (what LoRA adapts and a quantized base stores)."""
+        return self.layers * sum(a * b for a, b in self.linear_shapes().values())
+
+    @property
+    def params(self) -> int:
+        embed = self.vocab * self.hidden * (1 if self.tied else 2)
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        return embed + self.linear_params + self.layers * (2 * self.hidden + bias) + self.hidden
+
+    def lora_params(self, rank: int, targets) -> int:
+        names = LINEAR_NAMES if targets == "all-linear" else [n for n in LINEAR_NAMES if n in set(targets)]
+        shapes = self.linear_shapes()
+        return self.layers * sum(rank * (shapes[n][0] + shapes[n][1]) for n in names)
+
+    def layer_activation_elems(self) -> tuple[int, int]:
+        """(elements kept in the compute dtype, elements kept in fp32) per token for one decoder layer."""
+        q, kv, i = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        compute = (q + 2 * kv) + (q + kv) + q + 4 * i  # q,k,v; rotary q,k; attention output; SwiGLU
+        fp32 = 2 * 2 * self.hidden + self.heads  # two RMSNorms (input and normalised), attention LSE
+        return compute, fp32
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per rank of each part of a run, and the device memory it is planned against."""
+
+    parts: dict[str, float]
+    device_bytes: float
+    device_name: str
+    world_size: int = 1
+    settings: dict[str, str] = field(default_factory=dict)  # part -> the config settings that shrink it
+
+    @property
+    def total(self) -> float:
+        return sum(v for k, v in self.parts.items() if not k.startswith("_"))
+
+    @property
+    def fraction(self) -> float:
+        return self.total / max(self.device_bytes, 1.0)
+
+    def line(self) -> str:
+        """One line starting `memory plan:` with every part and the share of the device."""
+        parts = ", ".join(f"{k} {_size(v)}" for k, v in self.parts.items() if not k.startswith("_"))
+        ranks = f" per rank of {self.world_size}" if self.world_size > 1 else ""
+        return (
+            f"memory plan: {_size(self.total)}{ranks} of {_size(self.device_bytes)} {self.device_name} "
+            f"({100 * self.fraction:.1f}%) = {parts}; activations per micro-batch without checkpointing "
+            f"{_size(self.parts['_activations_plain'])}, with {_size(self.parts['_activations_checkpointed'])}"
+        )
+
+    def refusal(self) -> str | None:
+        """None when the plan fits under 95% of the device, else a message naming the settings to change."""
+        if self.fraction <= REFUSE_FRACTION:
+            return None
+        biggest = sorted(((v, k) for k, v in self.parts.items() if k in self.settings), reverse=True)
+        advice = "; ".join(f"{k} ({_size(v)}): {self.settings[k]}" for v, k in biggest[:3])
+        return (
+            f"the run needs {_size(self.total)}, {100 * self.fraction:.0f}% of the "
+            f"{_size(self.device_bytes)} {self.device_name} (limit {100 * REFUSE_FRACTION:.0f}%). "
+            f"Largest parts: {advice}. Or pass --force to run anyway."
+        )
+
+
+def _size(n: float) -> str:
+    for unit, name in ((GiB, "GiB"), (2**20, "MiB")):
+        if n >= unit:
+            return f"{n / unit:.2f} {name}"
+    return f"{n / 1024:.1f} KiB"
+
+
+def plan_memory(
+    cfg, model_config, world_size: int = 1, device_bytes: float | None = None, prompt_tokens: int = 64
+) -> MemoryPlan:
+    """The memory plan of run config `cfg` (bitrl.engine.config.Config) for a model with Hugging Face config
+    `model_config`, per rank of `world_size`, against `device_bytes` (default: what `device_memory` reports
+    for cfg's device). prompt_tokens: the longest prompt, in tokens."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    shape = ModelShape.from_config(model_config)
+    device_type = cfg.torch_device.type
+    if device_bytes is None:
+        device_bytes = device_memory(cfg.torch_device)
+    lora, train, rollout = cfg.model.lora, cfg.train, cfg.rollout
+    model_bytes = DTYPE_BYTES[cfg.model.dtype]
+    master_bytes = 4 if train.master_weights == "fp32" else model_bytes
+    half_compute = model_bytes == 2 or train.autocast in ("bf16", "fp16") or (
+        train.autocast == "auto" and device_type == "cuda"
+    )
+    compute_bytes = 2 if half_compute else 4
+
+    # Weights: the trainable ones in the master dtype; a LoRA base in the model dtype or quantized.
+    if lora.rank:
+        trainable = shape.lora_params(lora.rank, lora.target_modules)
+        frozen = shape.params * model_bytes
+        if lora.base_precision != "full":
+            frozen -= shape.linear_params * (model_bytes - QUANT_BYTES[lora.base_precision])
+            if device_type == "cpu":  # the CPU path keeps one dequantized copy of each base weight
+                frozen += shape.linear_params * compute_bytes
+        weights = frozen + trainable * master_bytes
+    else:
+        trainable = shape.params
+        weights = trainable * master_bytes
+    shard = 1 / world_size
+    parts = {
+        "weights": weights * shard,
+        "gradients": trainable * master_bytes * shard,
+        "optimizer": 2 * trainable * master_bytes * shard,  # AdamW: first and second moments
+    }
+    # A forward under autocast keeps a half-precision copy of every fp32 weight it casts until the backward.
+    fp32_params = (trainable if master_bytes == 4 else 0) + (shape.params if lora.rank and model_bytes == 4 else 0)
+    if compute_bytes == 2 and fp32_params:
+        parts["autocast_weights"] = fp32_params * compute_bytes
+
+    # The rollout copy: merged weights in its precision (shares the base in QeRL mode), and its KV cache.
+    precision = rollout.precision
+    float_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}
+    rollout_bytes = float_bytes.get(precision, model_bytes)
+    if lora.rank and lora.base_precision != "full":
+        parts["rollout_copy"] = trainable * master_bytes
+    elif precision in QUANT_BYTES:
+        other = shape.params - shape.linear_params
+        cached = shape.linear_params * model_bytes if device_type == "cpu" else 0  # dequantized on CPU
+        parts["rollout_copy"] = other * model_bytes + shape.linear_params * QUANT_BYTES[precision] + cached
+    else:
+        parts["rollout_copy"] = shape.params * rollout_bytes
+    rows = math.ceil(rollout.prompts_per_step * rollout.group_size / world_size)
+    seq = prompt_tokens + rollout.max_new_tokens
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * rollout_bytes
+    # plus each row's fp32 logits and sampling probabilities at one position
+    parts["kv_cache"] = rows * seq * kv_per_token + rows * shape.vocab * 4 * 2
+
+    # Activations of one micro-batch of the update.
+    minibatch_rows = math.ceil(rows / train.minibatches)
+    tokens = minibatch_rows * seq
+    if train.micro_batch_tokens:
+        tokens = min(tokens, max(train.micro_batch_tokens // seq, 1) * seq)
+    compute, fp32 = shape.layer_activation_elems()
+    per_layer = tokens * (compute * compute_bytes + fp32 * 4)
+    residual = tokens * shape.hidden * 4  # each layer's input (the residual stream stays fp32 in HF models)
+    head = min(tokens * shape.vocab * 4, LOSS_CHUNK_BYTES.get(device_type, GiB)) + tokens * shape.hidden * 8
+    plain = shape.layers * (per_layer + residual) + head
+    checkpointed = shape.layers * residual + per_layer + head
+    parts["activations"] = checkpointed if train.gradient_checkpointing else plain
+    parts["_activations_plain"], parts["_activations_checkpointed"] = plain, checkpointed
+    parts["_trainable_params"] = trainable
+    settings = {
+        "weights": "model.lora.rank > 0 with model.dtype=bfloat16, or model.lora.base_precision=nvfp4",
+        "gradients": "model.lora.rank > 0",
+        "optimizer": "model.lora.rank > 0, or train.master_weights=model",
+        "autocast_weights": "model.dtype=float32 with train.autocast=none, or model.lora.rank > 0",
+        "rollout_copy": "rollout.precision=bf16 or a quantized one (fp8, mxfp4, nvfp4)",
+        "kv_cache": "a lower rollout.prompts_per_step, rollout.group_size or rollout.max_new_tokens",
+        "activations": "a lower train.micro_batch_tokens"
+        + ("" if train.gradient_checkpointing else ", or train.gradient_checkpointing=true"),
+    }
+    name = "free HBM" if device_type == "cuda" else "available RAM"
+    return MemoryPlan(parts, float(device_bytes), name, world_size, settings)
+
+
+def device_memory(device: torch.device) -> float:
+    """Bytes free for this run: free HBM on a CUDA device, available RAM (MemAvailable) on the CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
