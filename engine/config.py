@@ -175,6 +175,10 @@ class TrainConfig(Section):
     # gradients accumulate over a minibatch's micro-batches, so the update equals the one-batch update.
     # 0: one micro-batch per minibatch.
     micro_batch_tokens: int = Field(0, ge=0)
+    # Data-parallel training under torchrun (`bitrl train --nproc N`): how the policy is sharded, and FSDP2's
+    # mixed precision ("auto": bf16 parameters with fp32 gradient reduction on GPUs, the weights' dtype on CPUs).
+    distributed: Literal["fsdp2"] = "fsdp2"
+    fsdp_mixed_precision: Literal["auto", "none", "bf16"] = "auto"
 
     @model_validator(mode="after")
     def _names(self):

@@ -4,6 +4,7 @@ checkpoints. Read `run` top to bottom for one whole training run."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -25,13 +26,24 @@ from bitrl.train.advantages import compute_advantages
 from bitrl.train.checkpoint import (
     load_checkpoint,
     load_policy_state,
+    load_sharded_checkpoint,
     policy_state,
     rng_state,
     save_checkpoint,
+    save_sharded_checkpoint,
     set_rng_state,
 )
+from bitrl.train.distributed import (
+    broadcast_module_,
+    gather_rows,
+    init_distributed,
+    pad_to_global_width,
+    rank_groups,
+    reshard,
+    sync_rollout_model_sharded_,
+)
 from bitrl.train.lora import apply_lora
-from bitrl.train.memory import plan_memory
+from bitrl.train.memory import device_memory, plan_memory
 from bitrl.train.trainer import PolicyTrainer
 
 
@@ -70,8 +82,9 @@ def model_config(cfg: Config):
         return build_demo_model(cfg.model, CharTokenizer(ArithmeticTask.alphabet).vocab_size).config
 
 
-def check_memory_plan(cfg: Config, force: bool = False, log=print):
-    """Print the run's memory plan; refuse (ConfigError) a plan over 95% of the device unless `force`."""
+def check_memory_plan(cfg: Config, force: bool = False, log=print, world_size: int = 1):
+    """Print the run's memory plan, per rank of `world_size`; refuse (ConfigError) a plan over 95% of the
+    device unless `force`."""
     config = model_config(cfg)
     if config is None:
         log("memory plan: skipped, the model's shape is known only once it is loaded")
@@ -80,7 +93,10 @@ def check_memory_plan(cfg: Config, force: bool = False, log=print):
     if not cfg.model.path and cfg.task.kind == "arithmetic":
         widest = f"{'9' * cfg.task.digits}+{'9' * cfg.task.digits}="
         prompt_tokens = len(cfg.task.prompt_template.format(prompt=widest)) + 1
-    plan = plan_memory(cfg, config, prompt_tokens=prompt_tokens)
+    device_bytes = device_memory(cfg.torch_device)
+    if cfg.torch_device.type == "cpu":  # the ranks on one machine share its memory
+        device_bytes /= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    plan = plan_memory(cfg, config, world_size, device_bytes, prompt_tokens=prompt_tokens)
     log(plan.line())
     refusal = plan.refusal()
     if refusal and not force:
@@ -106,23 +122,45 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     force: run even when the memory plan says the run needs over 95% of the device's memory."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    # Data-parallel under torchrun: each rank rolls out and trains on its share of the groups; rank 0 logs.
+    ctx = init_distributed(cfg.torch_device)
+    if not ctx.is_main:
+        log = lambda *args, **kwargs: None  # noqa: E731
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = run_dir / "metrics.jsonl"
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    device = cfg.torch_device
-    check_memory_plan(cfg, force, log)
+    device = ctx.device
+    check_memory_plan(cfg, force, log, ctx.world_size)
     policy, tokenizer, task = build(cfg)
     policy.to(device)
-    if not resume:
+    if not resume and ctx.is_main:
         (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
     # LoRA adapts the warm-started model, so a resumed LoRA run rebuilds that base (cached) first.
     if not resume or cfg.model.lora.rank:
-        warm_start(policy, tokenizer, task, cfg, log=log)
+        if ctx.is_main:
+            warm_start(policy, tokenizer, task, cfg, log=log)
+        broadcast_module_(policy)  # data-parallel: every rank starts from rank 0's weights
     policy = prepare_policy(policy, cfg)
+    # The rollout copy in its own precision (bf16, fp8, mxfp4, ...), synced after every update. Made before
+    # the trainer, which shards the policy when data-parallel: every rank keeps a whole rollout copy.
+    precision = rollout_precision(cfg)
+    rollout_model = make_rollout_model(policy, precision, cfg.rollout.act_quant, cfg.rollout.mx_scale_mode)
     trainer = PolicyTrainer(policy, cfg.train, temperature=cfg.rollout.temperature)
+
+    def evaluate():
+        """Held-out accuracy of the policy (sharded: every rank runs every problem, in lockstep)."""
+        result = accuracy(policy, tokenizer, task.eval_problems, cfg)
+        reshard(policy)  # a gathered root must not outlive the next optimizer step
+        return result
+
+    def sync_rollout_model():
+        if ctx.enabled:  # gathered one FSDP unit at a time
+            return sync_rollout_model_sharded_(rollout_model, policy)
+        return sync_rollout_model_(rollout_model, policy, precision)
+
     sampler = torch.Generator(device).manual_seed(cfg.seed)  # drives every rollout sample
     data_rng = random.Random(f"data-{cfg.seed}")  # drives which training prompts are drawn
     reward_fn = REWARDS[cfg.task.reward]
@@ -130,10 +168,14 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     reuse = SpeculativeReuse(cfg.rollout.reuse) if cfg.rollout.reuse.enabled else None
     pool = draw_prompt_pool(task, cfg.rollout.fixed_prompts, cfg.seed) if cfg.rollout.fixed_prompts else None
 
-    if resume:
+    if resume and ctx.enabled:  # sharded: model and optimizer shards loaded in place, the rest per rank
+        state = load_sharded_checkpoint(run_dir, policy, trainer.optimizer)
+    elif resume:
         state = load_checkpoint(run_dir)
-        load_policy_state(policy, state["policy"])
-        trainer.optimizer.load_state_dict(state["optimizer"])
+    if resume:
+        if not ctx.enabled:
+            load_policy_state(policy, state["policy"])
+            trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.scaler.load_state_dict(state["scaler"])
         sampler.set_state(state["sampler"])
         data_rng.setstate(state["data_rng"])
@@ -141,23 +183,24 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
         if reuse is not None and "reuse" in state:
             reuse.load_state_dict(state["reuse"])
         start_step, records = state["step"], state["records"]
+        sync_rollout_model()
         log(f"resumed {run_dir} at step {start_step}")
     else:
         start_step, records = (
             0,
-            [{"step": 0, "accuracy": accuracy(policy, tokenizer, task.eval_problems, cfg)}],
+            [{"step": 0, "accuracy": evaluate()}],
         )
         log(f"held-out accuracy after warm start: {records[0]['accuracy']:.3f}")
     # Rewrite the metrics file from the records the checkpoint promised, dropping steps lost in a crash.
-    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
-
-    # The rollout copy in its own precision (bf16, fp8, mxfp4, ...), synced after every update.
-    precision = rollout_precision(cfg)
-    rollout_model = make_rollout_model(policy, precision, cfg.rollout.act_quant, cfg.rollout.mx_scale_mode)
+    if ctx.is_main:
+        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
     aqn = None
     if cfg.rollout.aqn_stages:  # adaptive quantization noise on the rollout copy's RMSNorm weights
         aqn = AQN(AQNSchedule(cfg.steps, num_stages=cfg.rollout.aqn_stages), seed=cfg.seed)
-    progress = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.name)
+    steps = range(start_step, cfg.steps)
+    progress = tqdm(steps, initial=start_step, total=cfg.steps, desc=cfg.name, disable=not ctx.is_main)
+    G = cfg.rollout.group_size
+    my_groups = rank_groups(cfg.rollout.prompts_per_step, ctx.rank, ctx.world_size)
     for step in progress:
         t0 = time.perf_counter()
         aqn_sigma = aqn.apply_(rollout_model, step) if aqn is not None else None
@@ -166,14 +209,15 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
             problems = [task.sample(data_rng) for _ in range(cfg.rollout.prompts_per_step)]
         else:
             problems = fixed_prompt_batch(pool, step, cfg.rollout.prompts_per_step, cfg.seed)
-        grouped = [p for p in problems for _ in range(cfg.rollout.group_size)]
+        problems = problems[my_groups.start : my_groups.stop]  # this rank's whole groups (all of them at 1)
+        grouped = [p for p in problems for _ in range(G)]
         # row i's draft is cached under (prompt uid, i-th sample of its group)
-        draft_keys = [(p.uid, i % cfg.rollout.group_size) for i, p in enumerate(grouped)]
+        draft_keys = [(p.uid, i % G) for i, p in enumerate(grouped)]
         rollout_fn = generate if reuse is None else reuse.bind(draft_keys)
         prompt_ids = encode_prompts(tokenizer, problems, cfg.task.prompt_template)
         rollout = rollout_fn(
             rollout_model,
-            [ids for ids in prompt_ids for _ in range(cfg.rollout.group_size)],
+            [ids for ids in prompt_ids for _ in range(G)],
             max_new_tokens=cfg.rollout.max_new_tokens,
             eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,
@@ -182,27 +226,31 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
             top_p=cfg.rollout.top_p,
             generator=sampler,
         )
+        rollout = pad_to_global_width(rollout, tokenizer.pad_token_id)
         t_rollout = time.perf_counter() - t0
         # 2. reward and advantages
         rewards = score(tokenizer, reward_fn, rollout, grouped)
-        by_group = rewards.view(-1, cfg.rollout.group_size)
+        by_group = rewards.view(-1, G)
         flat = by_group.amax(1) == by_group.amin(1)  # groups whose samples all scored alike: no GRPO signal
         advantages = compute_advantages(cfg.train.advantage, by_group).flatten().to(device)
         if reuse is not None and cfg.rollout.reuse.refresh_flat:  # sample signal-free groups afresh
-            for row in flat.repeat_interleave(cfg.rollout.group_size).nonzero().flatten().tolist():
+            for row in flat.repeat_interleave(G).nonzero().flatten().tolist():
                 reuse.cache.discard(draft_keys[row])
         # 3. train, then 4. sync the rollout copy
         metrics = trainer.step(rollout, advantages)
-        sync_rollout_model_(rollout_model, policy, precision)
+        sync_rollout_model()
         step_time = time.perf_counter() - t0
 
+        # metrics of the global batch: every rank's rows, in rank order
+        rewards, flat, response_mask = gather_rows(rewards, flat, rollout.response_mask)
+        num_tokens = int(response_mask.sum())
         record = {
             "step": step + 1,
             "reward_mean": float(rewards.mean()),
             "flat_group_frac": float(flat.float().mean()),
             **metrics,
-            "response_len": rollout.num_tokens / rollout.response_mask.shape[0],
-            "tokens_per_s": rollout.num_tokens / step_time,
+            "response_len": num_tokens / response_mask.shape[0],
+            "tokens_per_s": num_tokens / step_time,
             "rollout_time_s": t_rollout,
             "trainable_params": trainer.trainable_parameters,
             "step_time_s": step_time,
@@ -210,30 +258,32 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
             **({"aqn_sigma": aqn_sigma} if aqn is not None else {}),
         }
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            record["accuracy"] = accuracy(policy, tokenizer, task.eval_problems, cfg)
+            record["accuracy"] = evaluate()
         records.append(record)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if ctx.is_main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
         progress.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=record.get("accuracy", "-"))
 
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            save_checkpoint(
-                run_dir,
-                {
-                    "step": step + 1,
-                    "policy": policy_state(policy),
-                    "optimizer": trainer.optimizer.state_dict(),
-                    "scaler": trainer.scaler.state_dict(),
-                    "sampler": sampler.get_state(),
-                    "data_rng": data_rng.getstate(),
-                    "rng": rng_state(),
-                    "records": records,
-                    "config": cfg.model_dump(),
-                    **({"reuse": reuse.state_dict()} if reuse is not None else {}),
-                },
-            )
+            state = {
+                "step": step + 1,
+                "scaler": trainer.scaler.state_dict(),
+                "sampler": sampler.get_state(),
+                "data_rng": data_rng.getstate(),
+                "rng": rng_state(),
+                "records": records,
+                "config": cfg.model_dump(),
+                **({"reuse": reuse.state_dict()} if reuse is not None else {}),
+            }
+            if ctx.enabled:  # policy and optimizer as shards; the rest is this rank's own state
+                save_sharded_checkpoint(run_dir, step + 1, policy, trainer.optimizer, state)
+            else:
+                state |= {"policy": policy_state(policy), "optimizer": trainer.optimizer.state_dict()}
+                save_checkpoint(run_dir, state)
     progress.close()
-    plot_metrics(records, run_dir / "report.png", title=cfg.name)
+    if ctx.is_main:
+        plot_metrics(records, run_dir / "report.png", title=cfg.name)
     return records
 
 

@@ -1,9 +1,10 @@
-"""`bitrl train [--config FILE] [--resume RUN_DIR] [section.key=value ...]`"""
+"""`bitrl train [--config FILE] [--resume RUN_DIR] [--nproc N] [section.key=value ...]`"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", help="YAML or JSON config file")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR")
     parser.add_argument("--force", action="store_true", help="run even if the memory plan is over 95%%")
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="data-parallel ranks on this machine (spawns torchrun)"
+    )
     parser.add_argument(
         "overrides", nargs="*", help="section.key=value, e.g. train.lr=5e-4 rollout.group_size=4"
     )
@@ -36,6 +40,21 @@ def main(argv: list[str]) -> int:
         print(f"bitrl train: {e}", file=sys.stderr)
         return 2
 
+    from bitrl.engine.launch import launch, under_torchrun
+    from bitrl.train.distributed import rank_groups
+
+    if args.nproc < 1:
+        print(f"bitrl train: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
+        return 2
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
+    try:
+        rank_groups(cfg.rollout.prompts_per_step, 0, world_size)
+    except ValueError as e:
+        print(f"bitrl train: {e}", file=sys.stderr)
+        return 2
+    if args.nproc > 1 and not under_torchrun():
+        return launch(args.nproc, argv)  # every rank runs this command again, under torchrun
+
     from bitrl.engine.loop import run, summarize
 
     t0 = time.perf_counter()
@@ -45,6 +64,7 @@ def main(argv: list[str]) -> int:
         print(f"bitrl train: {e}", file=sys.stderr)
         return 2
     summary = summarize(records) | {"wall_time_s": round(time.perf_counter() - t0, 1)}
-    print(json.dumps(summary))
-    print(f"metrics: {cfg.run_dir / 'metrics.jsonl'}  report: {cfg.run_dir / 'report.png'}")
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(summary))
+        print(f"metrics: {cfg.run_dir / 'metrics.jsonl'}  report: {cfg.run_dir / 'report.png'}")
     return 0

@@ -6,8 +6,6 @@ runs on each rank; the tests compare what it writes with the single-process run 
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 import subprocess
 import sys

@@ -136,7 +136,9 @@ def reduce_metrics(metrics: dict[str, float], weight: float) -> dict[str, float]
     extremes = [n for n in metrics if n.endswith(("_max", "_min"))]
     summed = [n for n in metrics if n not in extremes]
     per_rank = {"loss": 1.0, "grad_norm": 1.0 / dist.get_world_size()}
-    sums = torch.tensor([metrics[n] * per_rank.get(n, weight) for n in summed] + [weight], dtype=torch.float64)
+    sums = torch.tensor(
+        [metrics[n] * per_rank.get(n, weight) for n in summed] + [weight], dtype=torch.float64
+    )
     dist.all_reduce(sums)
     total = max(float(sums[-1]), 1.0)
     out = {n: float(s) / (1.0 if n in per_rank else total) for n, s in zip(summed, sums.tolist())}
@@ -165,7 +167,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def mixed_precision_policy(name: str, device: torch.device):
     """FSDP2's MixedPrecisionPolicy for train.fsdp_mixed_precision: "bf16" (bf16 parameters for compute,
-    fp32 gradient reduction), "none" (the weights' own dtype throughout), "auto" (bf16 on CUDA, none on CPU)."""
+    fp32 gradient reduction), "none" (the weights' own dtype throughout), "auto" (bf16 on CUDA, else none)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if name == "auto":
@@ -218,6 +220,12 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def reshard(model: nn.Module) -> None:
+    """Free the gathered parameters an FSDP2 root keeps after a forward without backward; no-op unsharded."""
+    if is_sharded(model):
+        model.reshard()
+
+
 def call_as_forward(model: nn.Module, fn):
     """fn() run as `model`'s forward: for an FSDP2 root, between its pre- and post-forward hooks (parameters
     gathered, gradients reduce-scattered in backward); plain `fn()` otherwise. Without autograd the root is
@@ -226,7 +234,7 @@ def call_as_forward(model: nn.Module, fn):
         return fn()
     out = model.bitrl_forward(fn)
     if not torch.is_grad_enabled():
-        model.reshard()
+        reshard(model)
     return out
 
 
