@@ -6,9 +6,12 @@ runs on each rank; the tests compare what it writes with the single-process run 
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -66,10 +69,61 @@ def global_batch(policy):
     return rollout, advantages
 
 
-def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+
+
+def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*TORCHRUN, *args], capture_output=True, text=True, timeout=timeout, env=ENV, cwd=REPO
+    )
+
+
+def tiny_run_args(out_dir: Path, name: str) -> list[str]:
+    """`bitrl train` overrides for a few RL steps of a one-layer demo model (no warm start)."""
+    return [
+        f"out_dir={out_dir}",
+        f"name={name}",
+        "steps=6",
+        "eval_every=3",
+        "checkpoint_every=2",
+        "warmstart.steps=0",
+        "task.n_eval=16",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=2",
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_layers=1",
+        "model.num_heads=2",
+        "model.num_kv_heads=1",
+    ]
+
+
+def metrics_without_timings(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.endswith(("_time_s", "tokens_per_s"))} for r in rows]
+
+
+def descendant_with_env(pid: int, variable: str) -> int | None:
+    """The pid of a descendant process of `pid` whose environment holds `variable` (e.g. RANK=1)."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        try:
+            if variable.encode() in (Path("/proc") / str(child) / "environ").read_bytes().split(b"\0"):
+                return child
+        except OSError:
+            pass
+        todo.extend(children.get(child, []))
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -179,6 +233,39 @@ def test_two_ranks_step_equals_one_rank(tmp_path):
         got = gathered[variant + "_metrics"]
         for key in ("loss", "grad_norm", "mismatch_k1_kl", "mismatch_max_abs_dp"):
             assert got[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_sigkill_of_one_rank_then_resume_reproduces_the_run(tmp_path):
+    """2 ranks: an uninterrupted run (plain torchrun), and a run (`bitrl train --nproc 2`) whose rank 1 is
+    SIGKILLed after its first checkpoint, then resumed: the metrics are identical, timings aside."""
+    full = torchrun("-m", "bitrl", "train", *tiny_run_args(tmp_path, "full"))
+    assert full.returncode == 0, full.stderr[-4000:]
+
+    bitrl = [sys.executable, "-m", "bitrl", "train", "--nproc", "2"]
+    killed_dir = tmp_path / "killed"
+    log = open(tmp_path / "killed.log", "w")  # noqa: SIM115 (open while the run lasts)
+    run = subprocess.Popen(
+        [*bitrl, *tiny_run_args(tmp_path, "killed")], env=ENV, cwd=REPO, stderr=log, stdout=log
+    )
+    deadline = time.monotonic() + 240
+    metrics = killed_dir / "metrics.jsonl"
+    # kill between the first checkpoint (step 2) and the end (step 6)
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 4):  # step 0, 1, 2, 3
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.02)
+    rank1 = descendant_with_env(run.pid, "RANK=1")
+    assert rank1 is not None, "rank 1's process not found"
+    os.kill(rank1, signal.SIGKILL)
+    assert run.wait(timeout=120) != 0
+    log.close()
+    assert (killed_dir / "checkpoint.json").is_file()
+
+    resumed = subprocess.run(
+        [*bitrl, "--resume", str(killed_dir)], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed" in resumed.stdout + resumed.stderr
+    assert metrics_without_timings(killed_dir) == metrics_without_timings(tmp_path / "full")
 
 
 if __name__ == "__main__":
