@@ -37,6 +37,7 @@ TRAIN_CFG = dict(
     entropy_coef=0.0,
 )
 GROUPS, GROUP_SIZE = 4, 2
+LORA = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", base_precision="full")
 
 
 def tiny_policy(seed: int = 0):
@@ -131,7 +132,8 @@ def descendant_with_env(pid: int, variable: str) -> int | None:
 
 def worker_trainer(out: Path) -> None:
     """On every rank: shard the policy, take one RL step on this rank's groups, then check weight sync and a
-    checkpoint round trip; rank 0 writes the gathered parameters (plain and with gradient checkpointing)."""
+    checkpoint round trip; rank 0 writes the gathered parameters (plain, with gradient checkpointing, and LoRA
+    adapters)."""
     import torch.distributed as dist
 
     from bitrl.quant import quantize
@@ -145,6 +147,7 @@ def worker_trainer(out: Path) -> None:
         rank_groups,
         sync_rollout_model_sharded_,
     )
+    from bitrl.train.lora import apply_lora, lora_layers, merged_weight
     from bitrl.train.trainer import PolicyTrainer, rollout_rows
 
     torch.set_num_threads(1)
@@ -153,8 +156,8 @@ def worker_trainer(out: Path) -> None:
     groups = rank_groups(GROUPS, ctx.rank, ctx.world_size)
     rows = torch.arange(groups.start * GROUP_SIZE, groups.stop * GROUP_SIZE)
     gathered = {}
-    for variant in ("plain", "checkpointing"):
-        policy = tiny_policy()
+    for variant in ("lora", "plain", "checkpointing"):
+        policy = apply_lora(tiny_policy(), LORA) if variant == "lora" else tiny_policy()
         copies = {p: make_rollout_model(policy, p) for p in ("full", "mxfp4")}
         cfg = SimpleNamespace(**TRAIN_CFG, gradient_checkpointing=variant == "checkpointing")
         trainer = PolicyTrainer(policy, cfg)  # shards the policy: this process is one of 2 ranks
@@ -162,6 +165,20 @@ def worker_trainer(out: Path) -> None:
         metrics = trainer.step(rollout_rows(rollout, rows), advantages[rows])
         gathered[variant] = {n: full_tensor(p.detach()).clone() for n, p in policy.named_parameters()}
         gathered[variant + "_metrics"] = metrics
+        if variant == "lora":  # each rank's copy holds W + (alpha / r) B A of the gathered adapters
+            reference = apply_lora(tiny_policy(), LORA)
+            reference.load_state_dict(gathered["lora"])
+            for precision, rollout_model in copies.items():
+                sync_rollout_model_sharded_(rollout_model, policy)
+                for name, layer in lora_layers(reference).items():
+                    target = rollout_model.get_submodule(name)
+                    if isinstance(target, QuantLinear):
+                        want = quantize(
+                            merged_weight(layer, torch.float32), target.fmt, **target.quant_kwargs
+                        )
+                        assert torch.equal(target.qdata, want.data), f"lora {precision} {name}"
+                    else:
+                        assert torch.equal(target.weight, merged_weight(layer, torch.float32)), f"lora {name}"
 
     # weight sync: every rank's copy equals the gathered weights (or their quantization), bit for bit
     weights = gathered["checkpointing"]
@@ -211,18 +228,22 @@ def test_rank_groups_are_whole_groups_in_rank_order():
 
 def test_two_ranks_step_equals_one_rank(tmp_path):
     """fp32: one step on 2 ranks (FSDP2, each on its own groups) gives the single-process parameters within
-    1e-5 relative, with and without gradient checkpointing; weight sync and the checkpoint round trip are
-    checked on each rank inside the worker."""
+    1e-5 relative, with and without gradient checkpointing, and with LoRA adapters; weight sync and the
+    checkpoint round trip are checked on each rank inside the worker."""
+    from bitrl.train.lora import apply_lora
     from bitrl.train.trainer import PolicyTrainer
 
     result = torchrun(__file__, "trainer", str(tmp_path))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     gathered = torch.load(tmp_path / "gathered.pt")
 
-    policy = tiny_policy()
-    rollout, advantages = global_batch(policy)
-    metrics = PolicyTrainer(policy, SimpleNamespace(**TRAIN_CFG)).step(rollout, advantages)
-    for variant in ("plain", "checkpointing"):
+    rollout, advantages = global_batch(tiny_policy())
+    one_rank = {}
+    for variant, policy in (("plain", tiny_policy()), ("lora", apply_lora(tiny_policy(), LORA))):
+        metrics = PolicyTrainer(policy, SimpleNamespace(**TRAIN_CFG)).step(rollout, advantages)
+        one_rank[variant] = (policy, metrics)
+    one_rank["checkpointing"] = one_rank["plain"]  # the same update, activations recomputed
+    for variant, (policy, metrics) in one_rank.items():
         # 1e-5 relative over the whole model. Not per element: Adam's g / (|g| + eps) turns last-bit
         # differences of a near-zero gradient summed in another order into ~1e-6 on that element (k_proj's
         # bias has an exactly zero gradient in exact arithmetic: its 2-step update is rounding noise)

@@ -281,15 +281,29 @@ def sync_rollout_model_sharded_(rollout_model: nn.Module, policy: nn.Module) -> 
 
     Peak extra memory is one decoder layer (or the root's embeddings and head) at full precision. Quantized
     layers (bitrl.quant.QuantLinear) are re-quantized from the gathered weight; everything else is copied
-    (cast to the copy's dtype). Returns {"requantized": n, "copied": n}.
+    (cast to the copy's dtype). A LoRA policy whose copy holds merged weights gets each unit's adapted layers
+    re-merged while that unit is gathered (nothing else of it trains). Returns counts of what was done.
     """
     from bitrl.quant.linear import QuantLinear, _canon
+    from bitrl.rollout.precision import _sync_lora_, shared_base_modules
+    from bitrl.train.lora import lora_layers
 
-    policy.reshard()  # the root may still be gathered after a forward; sync reads the sharded masters
+    reshard(policy)  # the root may still be gathered after a forward; sync reads the sharded masters
+    lora = lora_layers(policy)
+    merged = bool(lora) and not shared_base_modules(lora)
     targets = dict(rollout_model.named_parameters(remove_duplicate=False))
     qlinears = {_canon(m.source_name): m for m in rollout_model.modules() if isinstance(m, QuantLinear)}
-    stats = {"requantized": 0, "copied": 0}
-    for unit_name, unit in fsdp_units(policy):
+    stats = {"requantized": 0, "copied": 0, "merged": 0}
+    units = fsdp_units(policy)
+    for unit_name, unit in units:
+        if merged:
+            mine = {n: m for n, m in lora.items() if _owner(n, units) == unit_name}
+            if mine:
+                unit.unshard()
+                for key, value in _sync_lora_(rollout_model, policy, mine).items():
+                    stats[key] = stats.get(key, 0) + value
+                unit.reshard()
+            continue
         for name, param in unit_parameters(policy, unit, unit_name):
             name = _canon(name)
             full = full_tensor(param.detach())
@@ -304,3 +318,9 @@ def sync_rollout_model_sharded_(rollout_model: nn.Module, policy: nn.Module) -> 
                 raise ValueError(f"the rollout copy has no parameter {name!r}: is it a copy of this policy?")
             del full
     return stats
+
+
+def _owner(module_name: str, units: list[tuple[str, nn.Module]]) -> str:
+    """The name of the innermost FSDP unit holding module `module_name` (units from `fsdp_units`)."""
+    holders = [n for n, _ in units if n == "" or module_name == n or module_name.startswith(n + ".")]
+    return max(holders, key=len)
