@@ -53,7 +53,7 @@ def test_parts_follow_the_settings():
     qerl = plan("model.lora.rank=16", "model.dtype=bfloat16", "model.lora.base_precision=nvfp4", "device=cpu")
     plain_bf16 = plan("train.master_weights=model", "model.dtype=bfloat16")
     assert plain_bf16.parts["optimizer"] == fp32.parts["optimizer"] / 2
-    assert qerl.parts["rollout_copy"] < lora.parts["rollout_copy"] / 50  # only the adapters are copied
+    assert qerl.parts["rollout_copy"] < lora.parts["rollout_copy"] / 10  # only the adapters are copied
     assert plan("rollout.precision=nvfp4", "model.dtype=bfloat16").parts["rollout_copy"] > 0
 
 
