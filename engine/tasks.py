@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from bitrl.engine.config import ConfigError
+
+class InputError(ValueError):
+    """Bad input files or settings found before any model loads (a data file, a model path); the command
+    line prints its one-line message instead of a traceback."""
+
 
 # --------------------------------------------------------------------------- tokenizer
 
@@ -148,14 +152,14 @@ class ArithmeticTask:
 
     def __init__(self, digits: int = 2, n_eval: int = 400, seed: int = 0, ops: str = "+-"):
         if digits < 1 or digits > 6:
-            raise ConfigError(f"task.digits must be in 1..6, got {digits}")
+            raise InputError(f"task.digits must be in 1..6, got {digits}")
         if not ops or set(ops) - {"+", "-"}:
-            raise ConfigError(f"task.ops must use only '+' and '-', got {ops!r}")
+            raise InputError(f"task.ops must use only '+' and '-', got {ops!r}")
         self.digits, self.ops = digits, ops
         self.high = 10**digits
         total = self.high * self.high * len(ops)
         if n_eval > total // 4:
-            raise ConfigError(f"task.n_eval={n_eval} is too large for {total} distinct problems")
+            raise InputError(f"task.n_eval={n_eval} is too large for {total} distinct problems")
         rng = random.Random(f"heldout-{seed}")
         held = set()
         while len(held) < n_eval:
@@ -222,7 +226,7 @@ class JsonlTask:
     def __init__(self, path: str | Path, n_eval: int = 64, seed: int = 0):
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"task.path: no such file {str(path)!r}")
+            raise InputError(f"task.path: no such file {str(path)!r}")
         problems = []
         for lineno, line in enumerate(path.read_text().splitlines(), start=1):
             if not line.strip():
@@ -230,21 +234,21 @@ class JsonlTask:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise ConfigError(f"{path}:{lineno}: expected an object with 'prompt' and 'answer'")
+                raise InputError(f"{path}:{lineno}: expected an object with 'prompt' and 'answer'")
             for field in ("prompt", "answer"):
                 if field not in row:
-                    raise ConfigError(f"{path}:{lineno}: missing field {field!r}")
+                    raise InputError(f"{path}:{lineno}: missing field {field!r}")
             if not isinstance(row["prompt"], str) or not row["prompt"]:
-                raise ConfigError(f"{path}:{lineno}: field 'prompt' must be a non-empty string")
+                raise InputError(f"{path}:{lineno}: field 'prompt' must be a non-empty string")
             if not isinstance(row["answer"], str | int | float):
-                raise ConfigError(f"{path}:{lineno}: field 'answer' must be a string or a number")
+                raise InputError(f"{path}:{lineno}: field 'answer' must be a string or a number")
             problems.append(
                 Problem(uid=str(row.get("id", lineno)), prompt=row["prompt"], answer=str(row["answer"]))
             )
         if len(problems) < 2:
-            raise ConfigError(
+            raise InputError(
                 f"{path}: {len(problems)} problem(s), too few for a training and a held-out split (need 2)"
             )
         random.Random(seed).shuffle(problems)

@@ -52,11 +52,12 @@ def main(argv: list[str]) -> int:
         return 2
 
     from bitrl.engine.loop import run, summarize
+    from bitrl.engine.tasks import InputError
 
     t0 = time.perf_counter()
     try:
         records = run(cfg, resume=bool(args.resume))
-    except ConfigError as e:  # bad data or model files, found before any weights load
+    except InputError as e:  # bad data or model files, found before any weights load
         print(f"bitrl train: {e}", file=sys.stderr)
         return 2
     summary = summarize(records) | {"wall_time_s": round(time.perf_counter() - t0, 1)}
