@@ -245,7 +245,7 @@ def verification_cost(threads: int = 1, overrides: list[str] = (), reps: int = 2
     rng = random.Random(0)
     problems = [task.sample(rng) for _ in range(cfg.rollout.prompts_per_step)]
     prompts = encode_prompts(
-        tokenizer, [p for p in problems for _ in range(cfg.rollout.group_size)], cfg.task.prompt_template
+        tokenizer, [p for p in problems for _ in range(cfg.rollout.group_size)], cfg.task
     )
     kw = dict(
         max_new_tokens=cfg.rollout.max_new_tokens,

@@ -46,7 +46,9 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    path: str | None = None  # a local Hugging Face model directory; None builds the demo model below
+    # A Hugging Face model directory, a .gguf file (converted once into the cache), or package:NAME (the
+    # .gguf file an installed Python distribution ships); None builds the demo model below.
+    path: str | None = None
     arch: Literal["qwen2", "llama"] = "qwen2"
     hidden_size: int = Field(128, ge=8)
     intermediate_size: int = Field(384, ge=8)
@@ -67,13 +69,19 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
+    # arithmetic: '47+86=' for the demo model; words: the same sums as English word problems, for
+    # pretrained models; jsonl: {"prompt", "answer"} objects from task.path.
+    kind: Literal["arithmetic", "words", "jsonl"] = "arithmetic"
     path: str | None = None  # the JSONL file for kind=jsonl
     digits: int = Field(2, ge=1, le=6)
     ops: str = "+"  # "+-" adds subtraction (negative answers); harder for the demo model
     n_eval: int = Field(400, ge=1)
     reward: str = "exact"  # a name in bitrl.engine.tasks.REWARDS
-    prompt_template: str = "{prompt}"  # applied to each prompt for real models, e.g. a chat preamble
+    prompt_template: str = "{prompt}"  # applied to each prompt first (inside the chat turn, if any)
+    # "auto": the tokenizer's chat template when it has one (a user turn, then the assistant's header);
+    # "none": the prompt text as it is.
+    chat_template: Literal["auto", "none"] = "auto"
+    system_prompt: str | None = None  # a system turn before the prompt; None keeps the template's default
 
     @model_validator(mode="after")
     def _check(self):
@@ -217,6 +225,13 @@ class Config(Section):
     warmstart: WarmStartConfig = WarmStartConfig()
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _no_warmstart_for_pretrained(self):
+        # A pretrained model starts RL as it is; the supervised warm start exists for the random demo model.
+        if self.model.path and "steps" not in self.warmstart.model_fields_set:
+            self.warmstart.steps = 0
+        return self
 
     @field_validator("device")
     @classmethod

@@ -8,8 +8,28 @@ from bitrl.engine.tasks import REWARDS
 from bitrl.rollout.engine import generate
 
 
-def encode_prompts(tokenizer, problems, template: str) -> list[list[int]]:
-    return [tokenizer.encode(template.format(prompt=p.prompt), add_special_tokens=True) for p in problems]
+def prompt_text(tokenizer, prompt: str, task) -> tuple[str, bool]:
+    """(text, add_special_tokens): the prompt as the model sees it. task: TaskConfig.
+
+    `task.prompt_template` is applied first; with `task.chat_template=auto` and a tokenizer that has a chat
+    template, the result becomes a user turn (after `task.system_prompt`, if any) followed by the assistant's
+    header. The rendered template already holds its special tokens, so none are added when encoding it.
+    """
+    text = task.prompt_template.format(prompt=prompt)
+    if task.chat_template == "none" or not getattr(tokenizer, "chat_template", None):
+        return text, True
+    messages = [{"role": "system", "content": task.system_prompt}] if task.system_prompt is not None else []
+    messages.append({"role": "user", "content": text})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+
+
+def encode_prompts(tokenizer, problems, task) -> list[list[int]]:
+    """Token ids of each problem's prompt (see prompt_text). task: TaskConfig."""
+    encoded = []
+    for p in problems:
+        text, add_special = prompt_text(tokenizer, p.prompt, task)
+        encoded.append(tokenizer.encode(text, add_special_tokens=add_special))
+    return encoded
 
 
 def score(tokenizer, reward_fn, rollout, problems) -> torch.Tensor:
@@ -31,7 +51,7 @@ def accuracy(model, tokenizer, problems, cfg, batch_size: int = 512) -> float:
         chunk = problems[start : start + batch_size]
         rollout = generate(
             model,
-            encode_prompts(tokenizer, chunk, cfg.task.prompt_template),
+            encode_prompts(tokenizer, chunk, cfg.task),
             max_new_tokens=cfg.rollout.max_new_tokens,
             eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,

@@ -16,7 +16,7 @@ from bitrl.engine.config import Config, ConfigError
 from bitrl.engine.evaluate import accuracy, encode_prompts, score
 from bitrl.engine.models import build_demo_model, load_pretrained
 from bitrl.engine.report import plot_metrics
-from bitrl.engine.tasks import REWARDS, ArithmeticTask, CharTokenizer, JsonlTask
+from bitrl.engine.tasks import REWARDS, ArithmeticTask, CharTokenizer, InputError, JsonlTask, WordsTask
 from bitrl.engine.warmstart import warm_start
 from bitrl.quant import AQN, AQNSchedule
 from bitrl.rollout.engine import generate
@@ -47,20 +47,23 @@ from bitrl.train.memory import device_memory, plan_memory
 from bitrl.train.trainer import PolicyTrainer
 
 
-def build(cfg: Config):
-    """(policy, tokenizer, task) as the config describes them."""
-    if cfg.task.kind == "arithmetic":
-        task = ArithmeticTask(cfg.task.digits, cfg.task.n_eval, cfg.seed, cfg.task.ops)
-    else:
+def build(cfg: Config, log=print):
+    """(policy, tokenizer, task) as the config describes them. The task's data and the model path are
+    checked before any weights load; bad input raises InputError with a one-line message."""
+    if cfg.task.kind == "jsonl":
         task = JsonlTask(cfg.task.path, cfg.task.n_eval, cfg.seed)
-    if cfg.model.path:
-        policy, tokenizer = load_pretrained(cfg.model.path, cfg.model.dtype)
     else:
-        tokenizer = CharTokenizer(ArithmeticTask.alphabet)
+        task_cls = WordsTask if cfg.task.kind == "words" else ArithmeticTask
+        task = task_cls(cfg.task.digits, cfg.task.n_eval, cfg.seed, cfg.task.ops)
+    if cfg.model.path:
+        policy, tokenizer = load_pretrained(cfg.model.path, cfg.model.dtype, log=log)
+    else:
         if cfg.task.kind != "arithmetic":
-            raise ValueError(
-                "the embedded demo model only speaks the arithmetic task; set model.path for jsonl"
+            raise InputError(
+                f"task.kind={cfg.task.kind}: the embedded demo model only speaks the arithmetic task; "
+                "set model.path"
             )
+        tokenizer = CharTokenizer(ArithmeticTask.alphabet)
         torch.manual_seed(cfg.seed)
         policy = build_demo_model(cfg.model, tokenizer.vocab_size)
     return policy, tokenizer, task
@@ -134,7 +137,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
 
     device = ctx.device
     check_memory_plan(cfg, force, log, ctx.world_size)
-    policy, tokenizer, task = build(cfg)
+    policy, tokenizer, task = build(cfg, log=log)
     policy.to(device)
     if not resume and ctx.is_main:
         (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
@@ -214,7 +217,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
         # row i's draft is cached under (prompt uid, i-th sample of its group)
         draft_keys = [(p.uid, i % G) for i, p in enumerate(grouped)]
         rollout_fn = generate if reuse is None else reuse.bind(draft_keys)
-        prompt_ids = encode_prompts(tokenizer, problems, cfg.task.prompt_template)
+        prompt_ids = encode_prompts(tokenizer, problems, cfg.task)
         rollout = rollout_fn(
             rollout_model,
             [ids for ids in prompt_ids for _ in range(G)],

@@ -164,6 +164,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument(
+        "--chat-template", default="auto", choices=["auto", "none"], help="as task.chat_template (--model)"
+    )
+    parser.add_argument("--system-prompt", default=None, help="as task.system_prompt (--model)")
     parser.add_argument("--trainer-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/mismatch", help="output folder for mismatch.json and .png")
@@ -176,7 +180,7 @@ def main(argv: list[str]) -> int:
 
 
 def run(args) -> int:
-    from bitrl.engine.config import load_config
+    from bitrl.engine.config import TaskConfig, load_config
     from bitrl.engine.evaluate import encode_prompts
     from bitrl.engine.loop import build
     from bitrl.engine.models import load_pretrained
@@ -213,9 +217,8 @@ def run(args) -> int:
         if not prompts:
             raise ValueError("--model needs --prompts FILE (or --external FILE)")
         rollout_model = make_rollout_model(policy, args.rollout_precision, mx_scale_mode=args.mx_scale_mode)
-        prompt_ids = encode_prompts(
-            tokenizer, [Problem(str(i), p, "") for i, p in enumerate(prompts)], "{prompt}"
-        )
+        chat = TaskConfig(chat_template=args.chat_template, system_prompt=args.system_prompt)
+        prompt_ids = encode_prompts(tokenizer, [Problem(str(i), p, "") for i, p in enumerate(prompts)], chat)
         rollout = generate(
             rollout_model,
             [ids for ids in prompt_ids for _ in range(args.samples_per_prompt)],

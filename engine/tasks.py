@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+
+class InputError(ValueError):
+    """Bad input files or settings found before any model loads (a data file, a model path); the command
+    line prints its one-line message instead of a traceback."""
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 
@@ -146,14 +152,14 @@ class ArithmeticTask:
 
     def __init__(self, digits: int = 2, n_eval: int = 400, seed: int = 0, ops: str = "+-"):
         if digits < 1 or digits > 6:
-            raise ValueError(f"task.digits must be in 1..6, got {digits}")
+            raise InputError(f"task.digits must be in 1..6, got {digits}")
         if not ops or set(ops) - {"+", "-"}:
-            raise ValueError(f"task.ops must use only '+' and '-', got {ops!r}")
+            raise InputError(f"task.ops must use only '+' and '-', got {ops!r}")
         self.digits, self.ops = digits, ops
         self.high = 10**digits
         total = self.high * self.high * len(ops)
         if n_eval > total // 4:
-            raise ValueError(f"task.n_eval={n_eval} is too large for {total} distinct problems")
+            raise InputError(f"task.n_eval={n_eval} is too large for {total} distinct problems")
         rng = random.Random(f"heldout-{seed}")
         held = set()
         while len(held) < n_eval:
@@ -176,6 +182,41 @@ class ArithmeticTask:
                 return self._problem(*t)
 
 
+class WordsTask(ArithmeticTask):
+    """The arithmetic task's sums told as short English word problems with numeric answers, e.g.
+    'Maya has 23 marbles. She gets 41 more. How many marbles does Maya have now? Reply with just the number.'
+    -> '64', for pretrained (instruct) models and the `math` reward.
+
+    The phrasing is a function of the numbers, so each problem has one text; the held-out split is over the
+    numbers (a held-out sum never reaches training under any phrasing).
+    """
+
+    NAMES = ("Maya", "Leo", "Ana", "Sam", "Priya", "Tom", "Lena", "Omar", "Kai", "Zoe", "Ivan", "Nia")
+    ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "cards", "shells", "stamps")
+    ADD = (
+        "{name} has {a} {items}. {name} gets {b} more. How many {items} does {name} have now?",
+        "A box holds {a} {items} and another box holds {b} {items}. How many {items} are there in total?",
+        "{name} read {a} pages on Monday and {b} pages on Tuesday. How many pages did {name} read in all?",
+        "There are {a} {items} on a shelf. Someone puts {b} more {items} on it. How many {items} are on "
+        "the shelf now?",
+        "What is {a} plus {b}?",
+    )
+    SUBTRACT = (
+        "The temperature was {a} degrees. It fell by {b} degrees. What is the temperature now?",
+        "{name} had {a} points in a game and lost {b} points. What is {name}'s score now?",
+        "What is {a} minus {b}?",
+    )
+    INSTRUCTION = " Reply with just the number."
+
+    def _problem(self, a: int, op: str, b: int) -> Problem:
+        value = a + b if op == "+" else a - b
+        pick = random.Random(f"words-{a}{op}{b}")
+        text = pick.choice(self.ADD if op == "+" else self.SUBTRACT).format(
+            a=a, b=b, name=pick.choice(self.NAMES), items=pick.choice(self.ITEMS)
+        )
+        return Problem(uid=f"{a}{op}{b}", prompt=text + self.INSTRUCTION, answer=str(value))
+
+
 class JsonlTask:
     """Problems from a JSONL file of {"prompt": str, "answer": str|number} objects, one per line.
 
@@ -185,7 +226,7 @@ class JsonlTask:
     def __init__(self, path: str | Path, n_eval: int = 64, seed: int = 0):
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"task.path: no such file {str(path)!r}")
+            raise InputError(f"task.path: no such file {str(path)!r}")
         problems = []
         for lineno, line in enumerate(path.read_text().splitlines(), start=1):
             if not line.strip():
@@ -193,21 +234,23 @@ class JsonlTask:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected an object with 'prompt' and 'answer'")
+                raise InputError(f"{path}:{lineno}: expected an object with 'prompt' and 'answer'")
             for field in ("prompt", "answer"):
                 if field not in row:
-                    raise ValueError(f"{path}:{lineno}: missing field {field!r}")
+                    raise InputError(f"{path}:{lineno}: missing field {field!r}")
             if not isinstance(row["prompt"], str) or not row["prompt"]:
-                raise ValueError(f"{path}:{lineno}: field 'prompt' must be a non-empty string")
+                raise InputError(f"{path}:{lineno}: field 'prompt' must be a non-empty string")
             if not isinstance(row["answer"], str | int | float):
-                raise ValueError(f"{path}:{lineno}: field 'answer' must be a string or a number")
+                raise InputError(f"{path}:{lineno}: field 'answer' must be a string or a number")
             problems.append(
                 Problem(uid=str(row.get("id", lineno)), prompt=row["prompt"], answer=str(row["answer"]))
             )
         if len(problems) < 2:
-            raise ValueError(f"{path}: needs at least 2 problems, found {len(problems)}")
+            raise InputError(
+                f"{path}: {len(problems)} problem(s), too few for a training and a held-out split (need 2)"
+            )
         random.Random(seed).shuffle(problems)
         n_eval = min(n_eval, len(problems) // 2)
         self.train_problems = problems[: len(problems) - n_eval]

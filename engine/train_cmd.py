@@ -1,4 +1,4 @@
-"""`bitrl train [--config FILE] [--resume RUN_DIR] [--nproc N] [section.key=value ...]`"""
+"""`bitrl train [--config FILE | --preset NAME] [--resume RUN_DIR] [--nproc N] [--force] [section.key=value ...]`"""
 
 from __future__ import annotations
 
@@ -11,12 +11,28 @@ from pathlib import Path
 
 from bitrl.engine.config import ConfigError, load_config
 
+PRESETS = Path(__file__).parent / "presets"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
+
+
+def preset_path(name: str) -> Path:
+    """The YAML file of a preset shipped with bitrl (engine/presets/NAME.yaml)."""
+    path = PRESETS / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"--preset: no preset {name!r}; choose from {', '.join(preset_names())}")
+    return path
+
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="bitrl train", description="RL training; defaults are the embedded demo"
     )
-    parser.add_argument("--config", help="YAML or JSON config file")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", help="YAML or JSON config file")
+    source.add_argument("--preset", help=f"a config shipped with bitrl: {', '.join(preset_names())}")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR")
     parser.add_argument("--force", action="store_true", help="run even if the memory plan is over 95%%")
     parser.add_argument(
@@ -35,7 +51,7 @@ def main(argv: list[str]) -> int:
             where = [f"out_dir={json.dumps(str(run_dir.parent))}", f"name={json.dumps(run_dir.name)}"]
             cfg = load_config(config_file, [*args.overrides, *where])
         else:
-            cfg = load_config(args.config, args.overrides)
+            cfg = load_config(preset_path(args.preset) if args.preset else args.config, args.overrides)
     except ConfigError as e:
         print(f"bitrl train: {e}", file=sys.stderr)
         return 2
@@ -56,11 +72,14 @@ def main(argv: list[str]) -> int:
         return launch(args.nproc, argv)  # every rank runs this command again, under torchrun
 
     from bitrl.engine.loop import run, summarize
+    from bitrl.engine.tasks import InputError
 
     t0 = time.perf_counter()
     try:
         records = run(cfg, resume=bool(args.resume), force=args.force)
-    except ConfigError as e:  # refused by the memory plan, or a setting the model cannot take
+    # bad data or model files (found before any weights load), a plan over memory, or a setting the model
+    # cannot take
+    except (ConfigError, InputError) as e:
         print(f"bitrl train: {e}", file=sys.stderr)
         return 2
     summary = summarize(records) | {"wall_time_s": round(time.perf_counter() - t0, 1)}

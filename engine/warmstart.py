@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 import bitrl
-from bitrl.engine.evaluate import accuracy
+from bitrl.engine.evaluate import accuracy, encode_prompts
 from bitrl.rollout.engine import left_pad, position_ids_from_mask
 
 
@@ -36,11 +36,11 @@ def cache_key(cfg) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def supervised_batch(tokenizer, problems, template: str = "{prompt}"):
-    """(input_ids, attention_mask, position_ids, labels) with labels -100 outside the answer and its EOS."""
+def supervised_batch(tokenizer, problems, task):
+    """(input_ids, attention_mask, position_ids, labels) with labels -100 outside the answer and its EOS.
+    task: TaskConfig (prompts are encoded as for rollouts)."""
     rows, label_rows = [], []
-    for p in problems:
-        prompt = tokenizer.encode(template.format(prompt=p.prompt), add_special_tokens=True)
+    for p, prompt in zip(problems, encode_prompts(tokenizer, problems, task)):
         answer = tokenizer.encode(p.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
         label_rows.append([-100] * len(prompt) + answer)
@@ -77,9 +77,7 @@ def warm_start(policy, tokenizer, task, cfg, log=print) -> bool:
     device = next(policy.parameters()).device
     for step in range(1, ws.steps + 1):
         problems = [task.sample(rng) for _ in range(ws.batch_size)]
-        ids, mask, pos, labels = (
-            t.to(device) for t in supervised_batch(tokenizer, problems, cfg.task.prompt_template)
-        )
+        ids, mask, pos, labels = (t.to(device) for t in supervised_batch(tokenizer, problems, cfg.task))
         logits = policy(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1].float()
         loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:], ignore_index=-100)
         optimizer.zero_grad(set_to_none=True)

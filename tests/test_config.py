@@ -75,3 +75,30 @@ def test_device():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=r"device.*'cuda:1' asked for, but .* no CUDA"):
             load_config(None, ["device=cuda:1"])
+
+
+def test_pretrained_models_skip_the_warm_start_unless_asked():
+    assert load_config().warmstart.steps == 1500  # the demo model needs it
+    assert load_config(None, ["model.path=m"]).warmstart.steps == 0
+    assert load_config(None, ["model.path=m", "warmstart.lr=0.01"]).warmstart.steps == 0
+    assert load_config(None, ["model.path=m", "warmstart.steps=7"]).warmstart.steps == 7
+
+
+def test_task_chat_fields():
+    cfg = load_config(None, ["task.kind=words", "task.chat_template=none", "task.system_prompt=Be brief."])
+    assert (
+        cfg.task.kind == "words"
+        and cfg.task.chat_template == "none"
+        and cfg.task.system_prompt == "Be brief."
+    )
+    assert load_config().task.chat_template == "auto" and load_config().task.system_prompt is None
+    with pytest.raises(ConfigError, match=r"task\.chat_template"):
+        load_config(None, ["task.chat_template=chatml"])
+    with pytest.raises(ConfigError, match=r"task\.kind"):
+        load_config(None, ["task.kind=poems"])
+
+
+def test_cli_preset_and_config_are_exclusive(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--preset", "smollm2-add", "--config", str(tmp_path / "c.yaml")])
+    assert "not allowed with argument" in capsys.readouterr().err

