@@ -78,9 +78,9 @@ def _logit_scale(config) -> float:
 
 def add_bitrl_lm_head(model, temperature: float = 1.0, outputs: Sequence[str] = ("log_probs",), impl=None):
     """Make ``model(..., labels=labels, fused_lm_head=True)`` return TRL's ``FusedCausalLMOutput`` computed by
-    ``bitrl.kernels.fused_logprobs``: log-probs [B, L-1] (and entropy) of the next-token labels, zero where the
-    label is -100, under softmax(logits / temperature). Only the labelled positions go through the LM head.
-    Without ``fused_lm_head=True`` the forward is the one the model had (generation is unchanged)."""
+    ``bitrl.kernels.fused_logprobs``: log-probs [B, L-1] (and entropy) of the next-token labels, zero where
+    the label is -100, under softmax(logits / temperature). Only the labelled positions go through the LM
+    head. Without ``fused_lm_head=True`` the forward is the one the model had (generation is unchanged)."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     text_config = model.config.get_text_config()
@@ -101,9 +101,15 @@ def add_bitrl_lm_head(model, temperature: float = 1.0, outputs: Sequence[str] = 
     previous_forward = model.forward
 
     @functools.wraps(type(model).forward)
-    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kw):
+    def forward(
+        self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kw
+    ):
         if not fused_lm_head:
-            passed = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+            passed = {
+                "labels": labels,
+                "shift_labels": shift_labels,
+                "num_items_in_batch": num_items_in_batch,
+            }
             return previous_forward(*args, **{k: v for k, v in passed.items() if v is not None}, **kw)
         kw["use_cache"] = False
         hidden = self.base_model(*args, **kw).last_hidden_state
@@ -143,26 +149,40 @@ def _check_supported(trainer, correction_names):
     """Refuse, with one clear line, what the bitrl path would otherwise silently compute differently."""
     args = trainer.args
     if trainer.loss_type not in TRL_LOSS_TYPES:
-        raise ValueError(f"loss_type: TRL's {trainer.loss_type!r} has no bitrl equivalent; use one of "
-                         f"{sorted(TRL_LOSS_TYPES)}")
+        raise ValueError(
+            f"loss_type: TRL's {trainer.loss_type!r} has no bitrl equivalent; use one of "
+            f"{sorted(TRL_LOSS_TYPES)}"
+        )
     if getattr(trainer, "use_adaptive_entropy", False):
-        raise ValueError("use_adaptive_entropy: the adaptive entropy controller is not supported with bitrl; "
-                         "use a static entropy_coef")
+        raise ValueError(
+            "use_adaptive_entropy: the adaptive entropy controller is not supported with bitrl; "
+            "use a static entropy_coef"
+        )
     if trainer.importance_sampling_level == "sequence" and trainer.loss_type not in _CLIP_FAMILY:
-        raise ValueError(f"importance_sampling_level='sequence': bitrl maps it to gspo, which has no "
-                         f"{trainer.loss_type!r} variant")
+        raise ValueError(
+            f"importance_sampling_level='sequence': bitrl maps it to gspo, which has no "
+            f"{trainer.loss_type!r} variant"
+        )
     if getattr(args, "use_liger_kernel", False):
         raise ValueError("use_liger_kernel: choose Liger-Kernel or bitrl for the loss, not both")
     unknown = [n for n in correction_names if n not in CORRECTIONS]
     if unknown:
         raise ValueError(f"correction: unknown {unknown}; choose from {sorted(CORRECTIONS)}")
     if trainer.loss_type == "vespo" and any(n != "none" for n in correction_names):
-        raise ValueError("correction: vespo folds TRL's own importance-sampling ratio into its weights; "
-                         "use vllm_importance_sampling_mode instead of a bitrl correction")
+        raise ValueError(
+            "correction: vespo folds TRL's own importance-sampling ratio into its weights; "
+            "use vllm_importance_sampling_mode instead of a bitrl correction"
+        )
 
 
-def use_bitrl(trainer, *, correction: str | Sequence[str] = "none", impl: str | None = None,
-              dump_dir: str | None = None, **correction_options):
+def use_bitrl(
+    trainer,
+    *,
+    correction: str | Sequence[str] = "none",
+    impl: str | None = None,
+    dump_dir: str | None = None,
+    **correction_options,
+):
     """Switch a ``trl.GRPOTrainer`` to bitrl's fused log-prob/entropy and policy loss. Returns the trainer.
 
     Args:
@@ -178,11 +198,21 @@ def use_bitrl(trainer, *, correction: str | Sequence[str] = "none", impl: str | 
     """
     names = [correction] if isinstance(correction, str) else list(correction)
     _check_supported(trainer, names)
-    allowed = {"correction_cap", "correction_low", "correction_high", "icepop_alpha", "icepop_beta",
-               "reject_threshold", "ais_kl_scale", "ais_min_ess"}
+    allowed = {
+        "correction_cap",
+        "correction_low",
+        "correction_high",
+        "icepop_alpha",
+        "icepop_beta",
+        "reject_threshold",
+        "ais_kl_scale",
+        "ais_min_ess",
+    }
     extra = sorted(set(correction_options) - allowed)
     if extra:
-        raise TypeError(f"use_bitrl() got unexpected option(s) {extra}; correction options are {sorted(allowed)}")
+        raise TypeError(
+            f"use_bitrl() got unexpected option(s) {extra}; correction options are {sorted(allowed)}"
+        )
     model = trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     add_bitrl_lm_head(base, trainer.temperature, outputs=("log_probs", "entropy"), impl=impl)
@@ -200,8 +230,13 @@ def _loss_options(trainer, mask, inputs, mode):
     if trainer.importance_sampling_level == "sequence":
         loss_type = "gspo"
     accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
-    opts = {"loss_type": loss_type, "loss_agg_mode": agg, "eps_low": trainer.epsilon_low,
-            "eps_high": trainer.epsilon_high, "delta": args.delta}
+    opts = {
+        "loss_type": loss_type,
+        "loss_agg_mode": agg,
+        "eps_low": trainer.epsilon_low,
+        "eps_high": trainer.epsilon_high,
+        "delta": args.delta,
+    }
     scale = 1.0 / accumulation
     if trainer.loss_type == "dr_grpo":
         opts["loss_scale"] = mask.shape[0] * trainer.max_completion_length
@@ -216,8 +251,12 @@ def _loss_options(trainer, mask, inputs, mode):
     if trainer.loss_type == "sapo":
         opts["sapo_tau_pos"], opts["sapo_tau_neg"] = args.sapo_temperature_pos, args.sapo_temperature_neg
     if trainer.loss_type == "vespo":
-        opts.update(vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
-                    vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg)
+        opts.update(
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+        )
     return opts, scale
 
 
@@ -228,11 +267,26 @@ def _compute_loss(self, model, inputs):
     input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-    multimodal = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-                  "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+    multimodal = (
+        "pixel_values",
+        "image_grid_thw",
+        "num_images",
+        "pixel_attention_mask",
+        "spatial_shapes",
+        "num_tiles",
+        "image_sizes",
+        "token_type_ids",
+        "mm_token_type_ids",
+        "image_position_ids",
+    )
     lp, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-        model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
-        compute_aux_loss=self.aux_loss_enabled, **{k: inputs.get(k) for k in multimodal},
+        model,
+        input_ids,
+        attention_mask,
+        completion_ids.size(1),
+        compute_entropy=True,
+        compute_aux_loss=self.aux_loss_enabled,
+        **{k: inputs.get(k) for k in multimodal},
     )
     mode = "train" if self.model.training else "eval"
     advantages = inputs["advantages"]
@@ -267,11 +321,16 @@ def _compute_loss(self, model, inputs):
         extra["correction"] = cfg["correction"]
         extra.update(cfg["options"])
     if self.beta != 0.0:
-        extra.update(ref_logprobs=inputs["ref_per_token_logps"], kl_type="k3", kl_coef=self.beta,
-                     kl_is_correction=bool(self.args.use_bias_correction_kl))
+        extra.update(
+            ref_logprobs=inputs["ref_per_token_logps"],
+            kl_type="k3",
+            kl_coef=self.beta,
+            kl_is_correction=bool(self.args.use_bias_correction_kl),
+        )
     opts, scale = _loss_options(self, mask, inputs, mode)
-    loss, metrics = policy_loss(lp, old, advantages, mask, is_weights=is_weights, impl=cfg["impl"],
-                                **opts, **extra)
+    loss, metrics = policy_loss(
+        lp, old, advantages, mask, is_weights=is_weights, impl=cfg["impl"], **opts, **extra
+    )
     loss = loss * scale
     policy_part = metrics["pg_loss"] + (self.beta * metrics["kl_loss"] if self.beta != 0.0 else 0.0)
 
@@ -290,7 +349,14 @@ def _compute_loss(self, model, inputs):
 
     _log_metrics(self, mode, metrics, entropies, mask)
     if cfg["dump_dir"] and old is not None and rollout is not None:
-        _dump(cfg["dump_dir"], self.state.global_step, old, rollout, mask, inputs.get("importance_sampling_ratio"))
+        _dump(
+            cfg["dump_dir"],
+            self.state.global_step,
+            old,
+            rollout,
+            mask,
+            inputs.get("importance_sampling_ratio"),
+        )
     return loss
 
 
@@ -301,7 +367,9 @@ def _log_metrics(trainer, mode, metrics, entropies, mask):
 
     n = metrics["n_tokens"]
     store = trainer._metrics[mode]
-    store["entropy"].append(global_mean((entropies.detach() * mask).sum() / mask.sum().clamp(min=1), mask.sum()))
+    store["entropy"].append(
+        global_mean((entropies.detach() * mask).sum() / mask.sum().clamp(min=1), mask.sum())
+    )
     names = dict(_TRL_METRIC_NAMES)
     if trainer.loss_type == "cispo":
         names = {"clipfrac_high": "cispo_clip_ratio"}
@@ -315,13 +383,18 @@ def _log_metrics(trainer, mode, metrics, entropies, mask):
 
 
 def _dump(directory, step, old, rollout, mask, ratio):
-    """One JSON line per call: the per-token trainer and rollout log-probs of each sequence (masked tokens)."""
+    """One JSON line per sequence: its trainer (old) and rollout log-probs at the unmasked tokens."""
     os.makedirs(directory, exist_ok=True)
     rows = []
     for b in range(mask.shape[0]):
         keep = mask[b].bool()
-        rows.append({"step": int(step), "old_logprobs": old[b][keep].tolist(),
-                     "rollout_logprobs": rollout[b][keep].tolist()})
+        rows.append(
+            {
+                "step": int(step),
+                "old_logprobs": old[b][keep].tolist(),
+                "rollout_logprobs": rollout[b][keep].tolist(),
+            }
+        )
         if ratio is not None and ratio.shape[-1] == mask.shape[-1]:
             rows[-1]["importance_sampling_ratio"] = ratio[b][keep].tolist()
     with open(os.path.join(directory, "rollout_logprobs.jsonl"), "a") as f:

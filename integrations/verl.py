@@ -15,12 +15,12 @@ returns ``(loss, metrics)``:
   ``clip_ratio_c`` (dual clip, 3.0 as in verl), ``loss_agg_mode`` and ``global_batch_info`` (dp_size,
   batch_num_tokens, global_batch_size, loss_scale_factor: the same global normalisers as verl's ``agg_loss``
   for token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm). A
-  DictConfig actor config may also carry a ``bitrl`` mapping (``+actor_rollout_ref.actor.bitrl.correction=ais``)
-  that overrides ``register``'s options; verl's typed ``ActorConfig`` is closed, so there the options come
-  from ``register``.
+  DictConfig actor config may also carry a ``bitrl`` mapping
+  (``+actor_rollout_ref.actor.bitrl.correction=ais``) that overrides ``register``'s options; verl's typed
+  ``ActorConfig`` is closed, so there the options come from ``register``.
 * ``rollout_is_weights``: without a bitrl correction they multiply the policy term, as in verl. With one
-  (``correction="icepop"``, ``"mask-geo"``, ``"reject-k3-seq-mean"``, ``"ais"``, ...), they are read as the raw
-  per-token ratio rho = pi_old / pi_rollout (set verl's ``rollout_correction.rollout_is=token`` with a
+  (``correction="icepop"``, ``"mask-geo"``, ``"reject-k3-seq-mean"``, ``"ais"``, ...), they are read as the
+  raw per-token ratio rho = pi_old / pi_rollout (set verl's ``rollout_correction.rollout_is=token`` with a
   threshold high enough not to truncate) and bitrl's correction turns them into weights and masks.
 * Metrics: verl's ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``, plus bitrl's
   diagnostics as ``actor/bitrl/<name>``.
@@ -31,7 +31,6 @@ with ``bitrl.kernels.fused_logprobs`` (same inputs and outputs).
 """
 
 from __future__ import annotations
-
 
 import torch
 
@@ -51,17 +50,27 @@ def _get(config, key, default=None):
 
 
 def aggregation_options(loss_agg_mode: str, mask: torch.Tensor, config) -> dict:
-    """bitrl ``policy_loss`` aggregation keywords equal to verl's ``agg_loss(loss_agg_mode, **global_batch_info)``.
+    """bitrl ``policy_loss`` aggregation keywords equal to verl's
+    ``agg_loss(loss_agg_mode, **global_batch_info)``.
 
     verl scales every mode by dp_size so that the data-parallel gradient average yields the global-batch
     normaliser; bitrl's counts are per rank, hence the division by dp_size here.
     """
     info = dict(_get(config, "global_batch_info", {}) or {})
     dp = float(info.get("dp_size") or 1)
-    tokens, seqs, factor = info.get("batch_num_tokens"), info.get("global_batch_size"), info.get("loss_scale_factor")
-    if dp > 1 and ((loss_agg_mode == "token-mean" and tokens is None) or (loss_agg_mode.startswith("seq") and seqs is None)):
-        raise ValueError(f"global_batch_info: verl needs the global batch size/token count when dp_size > 1 "
-                         f"(loss_agg_mode={loss_agg_mode!r})")
+    tokens, seqs, factor = (
+        info.get("batch_num_tokens"),
+        info.get("global_batch_size"),
+        info.get("loss_scale_factor"),
+    )
+    if dp > 1 and (
+        (loss_agg_mode == "token-mean" and tokens is None)
+        or (loss_agg_mode.startswith("seq") and seqs is None)
+    ):
+        raise ValueError(
+            f"global_batch_info: verl needs the global batch size/token count when dp_size > 1 "
+            f"(loss_agg_mode={loss_agg_mode!r})"
+        )
     nonempty = (mask.sum(-1) > 0).sum().clamp(min=1).to(torch.float32)
     n_seq = (float(seqs) if seqs is not None else nonempty) / dp
     if loss_agg_mode == "token-mean":
@@ -79,16 +88,27 @@ def aggregation_options(loss_agg_mode: str, mask: torch.Tensor, config) -> dict:
     raise ValueError(f"loss_agg_mode: verl's {loss_agg_mode!r} has no bitrl equivalent")
 
 
-def bitrl_policy_loss(loss_type: str, old_log_prob, log_prob, advantages, response_mask,
-                      loss_agg_mode: str = "token-mean", config=None, rollout_is_weights=None):
-    """One of bitrl's policy losses with verl's arguments, aggregation and metric names. Returns (loss, metrics)."""
+def bitrl_policy_loss(
+    loss_type: str,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
+    """One of bitrl's policy losses with verl's arguments, aggregation and metric names -> (loss, metrics)."""
     options = dict(_OPTIONS)
     extra = _get(config, "bitrl", None)
     if extra:
         options.update(dict(extra))
     correction = options.pop("correction", None) or "none"
     clip = _get(config, "clip_ratio", 0.2)
-    kwargs = {"eps_low": _get(config, "clip_ratio_low", clip), "eps_high": _get(config, "clip_ratio_high", clip)}
+    kwargs = {
+        "eps_low": _get(config, "clip_ratio_low", clip),
+        "eps_high": _get(config, "clip_ratio_high", clip),
+    }
     if loss_type == "grpo":
         kwargs["clip_ratio_c"] = _get(config, "clip_ratio_c", 3.0)
     mask = response_mask.bool()
@@ -105,13 +125,15 @@ def bitrl_policy_loss(loss_type: str, old_log_prob, log_prob, advantages, respon
     elif rollout_is_weights is not None:
         kwargs["is_weights"] = rollout_is_weights
     kwargs.update(options)
-    loss, m = policy_loss(log_prob, old_log_prob, advantages, mask, loss_type=loss_type,
-                          **kwargs)
+    loss, m = policy_loss(log_prob, old_log_prob, advantages, mask, loss_type=loss_type, **kwargs)
     with torch.no_grad():
         log_ratio = (log_prob.detach() - old_log_prob).clamp(-20.0, 20.0)
         ppo_kl = (-log_ratio * mask).sum() / mask.sum().clamp(min=1)
-    metrics = {"actor/pg_clipfrac": m["clipfrac"].item(), "actor/ppo_kl": ppo_kl.item(),
-               "actor/pg_clipfrac_lower": m["clipfrac_dual"].item()}
+    metrics = {
+        "actor/pg_clipfrac": m["clipfrac"].item(),
+        "actor/ppo_kl": ppo_kl.item(),
+        "actor/pg_clipfrac_lower": m["clipfrac_dual"].item(),
+    }
     for key, value in m.items():
         if key not in ("clipfrac", "clipfrac_dual", "pg_loss"):
             metrics[f"actor/bitrl/{key}"] = value.item()
@@ -119,10 +141,25 @@ def bitrl_policy_loss(loss_type: str, old_log_prob, log_prob, advantages, respon
 
 
 def _make_loss(loss_type: str):
-    def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                rollout_is_weights=None):
-        return bitrl_policy_loss(loss_type, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                                 config, rollout_is_weights)
+    def loss_fn(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode="token-mean",
+        config=None,
+        rollout_is_weights=None,
+    ):
+        return bitrl_policy_loss(
+            loss_type,
+            old_log_prob,
+            log_prob,
+            advantages,
+            response_mask,
+            loss_agg_mode,
+            config,
+            rollout_is_weights,
+        )
 
     loss_fn.__name__ = f"bitrl_{loss_type}"
     loss_fn.__doc__ = f"bitrl's {loss_type!r} policy loss, called as a verl policy loss."

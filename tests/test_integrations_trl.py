@@ -33,13 +33,28 @@ def model_dir(tmp_path_factory):
 def make_trainer(model_dir, tmp_path, loss_type="grpo", max_steps=2, **config):
     torch.manual_seed(0)
     args = GRPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=8, max_steps=max_steps, logging_steps=1, report_to=[], use_cpu=True,
-        save_strategy="no", seed=0, learning_rate=1e-2, optim="sgd", bf16=False, num_iterations=2,
-        loss_type=loss_type, disable_tqdm=True, **config,
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=max_steps,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        learning_rate=1e-2,
+        optim="sgd",
+        bf16=False,
+        num_iterations=2,
+        loss_type=loss_type,
+        disable_tqdm=True,
+        **config,
     )
     return GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=length_reward, args=args,
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        reward_funcs=length_reward,
+        args=args,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
     )
@@ -93,7 +108,9 @@ def test_bitrl_head_matches_trl_head_and_reference(model_dir):
     attention[2, :3] = 0  # left padding
     labels = ids.masked_fill(attention == 0, -100)
     labels[:, :4] = -100
-    outs = [m(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True) for m in (theirs, ours)]
+    outs = [
+        m(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True) for m in (theirs, ours)
+    ]
     with torch.no_grad():
         hidden = base.base_model(input_ids=ids, attention_mask=attention).last_hidden_state[:, :-1].double()
         logp = torch.log_softmax(hidden @ base.lm_head.weight.double().T / 0.7, -1)
@@ -188,7 +205,9 @@ def test_dump_for_external_mismatch(model_dir, tmp_path):
     use_bitrl(trainer, correction="tis-token", dump_dir=str(tmp_path / "dump"))
     inputs = _rollout_batch(trainer, model_dir)
     trainer.compute_loss(trainer.model, inputs)
-    rows = [json.loads(line) for line in (tmp_path / "dump" / "rollout_logprobs.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "dump" / "rollout_logprobs.jsonl").read_text().splitlines()
+    ]
     assert len(rows) == len(PROMPTS)
     n = int(inputs["completion_mask"][0].sum())
     assert rows[0]["old_logprobs"] == pytest.approx(inputs["old_per_token_logps"][0, :n].tolist())
