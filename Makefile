@@ -14,12 +14,25 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# verl 0.9 pins transformers < 5.11, so its tests run in their own environment: CPU torch first, then verl
+# with its pins, then bitrl without touching torch.
+VERL_VENV := .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed
+$(VERL_STAMP): pyproject.toml
+	test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/pip install -q --upgrade pip setuptools wheel
+	$(VERL_VENV)/bin/pip install -q torch==2.13.0
+	$(VERL_VENV)/bin/pip install -q verl==0.9.1
+	$(VERL_VENV)/bin/pip install -q -e '.[dev]' 'torch==2.13.0'
+	touch $(VERL_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/bitrl train
 
 test: $(STAMP)
 	$(BIN)/ruff check .
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	$(MAKE) $(VERL_STAMP) && $(VERL_VENV)/bin/python -m pytest -q tests/test_integrations_verl.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
@@ -28,4 +41,4 @@ bench: $(STAMP)
 	$(BIN)/python -m pytest benchmarks -q --benchmark-only
 
 clean:
-	rm -rf $(VENV) build *.egg-info runs
+	rm -rf $(VENV) $(VERL_VENV) build *.egg-info runs
