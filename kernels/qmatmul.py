@@ -112,11 +112,14 @@ def w4a16_matmul(
     k: int,
     tensor_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-    block_m: int = 32,
-    block_n: int = 64,
+    block_m: int | None = None,
+    block_n: int | None = None,
     block_kh: int = 32,
 ) -> torch.Tensor:
-    """``a[..., K] @ deq(W)[N, K].T`` with the weight dequantized tile by tile inside the kernel."""
+    """``a[..., K] @ deq(W)[N, K].T`` with the weight dequantized tile by tile inside the kernel.
+
+    Tiles: 32 x 64 for bf16/fp16 activations (tensor cores); 16 x 32 for fp32, whose exact (non-TF32) dot
+    runs on FMA units and would spill registers at 32 x 64."""
     reason = w4a16_unavailable_reason(a.device)
     if reason:
         raise RuntimeError(reason)
@@ -126,6 +129,9 @@ def w4a16_matmul(
     kp = packed.shape[1] * 2
     out = torch.empty((m, n), dtype=torch.float32, device=a.device)
     ts = tensor_scale if tensor_scale is not None else torch.ones(1, device=a.device)
+    fp32 = a2.dtype == torch.float32
+    block_m = block_m or (16 if fp32 else 32)
+    block_n = block_n or (32 if fp32 else 64)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _w4a16_kernel[grid](
         a2,

@@ -283,10 +283,14 @@ def unpack_fp4_triton(packed: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return out
 
 
+TILE_ELEMENTS = 2048  # (element pairs for FP4) per program
+
+
 def _tiles(bw: int, packed: bool, nblk: int) -> tuple[int, int]:
+    """(W, NB): a tile of NB blocks of W lanes. NB does not follow the row length: one specialization per
+    format, whatever K (short rows only mask part of the tile)."""
     w = next_pow2(bw // 2 if packed else bw)
-    nb = max(1, min(next_pow2(nblk), 2048 // w))
-    return w, nb
+    return w, max(1, TILE_ELEMENTS // w)
 
 
 def quantize_blocks_triton(

@@ -30,6 +30,8 @@ from .tensor import QuantizedTensor
 __all__ = ["QuantLinear", "quantize_model", "requantize_"]
 
 _FP8_ACT = ("fp8", "fp8_e4m3")
+# (weight format, activation format) -> the native block-scaled recipe of bitrl.kernels.fp4_gemm
+NATIVE_FP4 = {("mxfp4", "mxfp4"): "mxfp4_mxfp4", ("mxfp4", "mxfp8"): "mxfp4_mxfp8", ("nvfp4", "nvfp4"): "nvfp4_nvfp4"}
 
 
 class QuantLinear(nn.Module):
@@ -42,6 +44,10 @@ class QuantLinear(nn.Module):
     * CUDA, FP8 weights with ``act="fp8"``: W8A8 through ``torch._scaled_mm`` (activations quantized per
       token, weights per output row) where the device supports FP8 (compute capability >= 8.9).
     * CUDA, MXFP4 / NVFP4 weights: the Triton dequantize-fused W4A16 matmul (``bitrl.kernels.qmatmul``).
+    * CUDA compute capability >= 10 (Blackwell), W4A4 / W4A8 (weights mxfp4 with ``act`` "mxfp4" or "mxfp8",
+      nvfp4 with "nvfp4"): activations quantized for real and both operands fed to block-scaled FP4 tensor
+      cores (``bitrl.kernels.fp4_gemm``). Elsewhere these run emulated: fake-quantized activations times the
+      dequantized weight, the same numbers up to accumulation order.
 
     Activation quantization (``act``): None (weight-only), "fp8" (per-token dynamic E4M3: W8A8), or a block
     format name ("mxfp4", "nvfp4", "mxfp8") for fake quantization of the activations (W4A4 numerics,
@@ -188,13 +194,21 @@ class QuantLinear(nn.Module):
         return fake_quantize(x, self.act, check_finite=False)
 
     def execution_path(self, x: torch.Tensor) -> str:
-        """The matmul used for an input like ``x``: "scaled_mm", "w4a16_triton" or "dequant_matmul"."""
+        """The matmul used for an input like ``x``: "scaled_mm", "fp4_native", "w4a16_triton" or
+        "dequant_matmul"."""
         if self.impl is not None:
             return self.impl
         if x.device.type == "cuda":
+            from bitrl.kernels.fp4_gemm import native_unavailable_reason
             from bitrl.kernels.qmatmul import scaled_mm_unavailable_reason
 
             f = get_format(self.fmt)
+            if (
+                (f.name, self.act) in NATIVE_FP4
+                and self._meta["block"][0] == 1
+                and native_unavailable_reason(x.device) is None
+            ):
+                return "fp4_native"
             if (
                 f.name == "fp8_e4m3"
                 and self.act in _FP8_ACT
@@ -215,6 +229,9 @@ class QuantLinear(nn.Module):
             from bitrl.kernels.qmatmul import fp8_scaled_mm
 
             return fp8_scaled_mm(x, self.qdata, self.qscale, bias=bias, out_dtype=x.dtype)
+        if path == "fp4_native":
+            out = self._fp4_native(x)
+            return out if bias is None else out + bias
         x = self._quantize_act(x)
         if path == "w4a16_triton":
             from bitrl.kernels.qmatmul import w4a16_matmul
@@ -233,6 +250,27 @@ class QuantLinear(nn.Module):
             )
             return out if bias is None else out + bias
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
+
+    def _fp4_native(self, x: torch.Tensor) -> torch.Tensor:
+        """W4A4 / W4A8 on block-scaled tensor cores: the activations are quantized for real, per token."""
+        from bitrl.kernels.fp4_gemm import fp4_gemm
+
+        qw = self.qweight
+        x2 = x.reshape(-1, self.in_features)
+        qa = quantize(x2, self.act, check_finite=False)
+        ts = None
+        if qw.tensor_scale is not None:
+            ts = (qa.tensor_scale * qw.tensor_scale).reshape(1)
+        out = fp4_gemm(
+            qa.data,
+            qa.scale,
+            qw.data,
+            qw.scale,
+            recipe=NATIVE_FP4[(self.fmt, self.act)],
+            k=qw.padded_cols,
+            tensor_scale=ts,
+        )
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (
