@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from bitrl.engine.config import Config, ConfigError
 from bitrl.engine.evaluate import accuracy, encode_prompts, score
-from bitrl.engine.models import build_demo_model, load_pretrained
+from bitrl.engine.models import build_demo_model, load_pretrained, resolve_model_source
 from bitrl.engine.report import plot_metrics
 from bitrl.engine.tasks import REWARDS, ArithmeticTask, CharTokenizer, InputError, JsonlTask, WordsTask
 from bitrl.engine.warmstart import warm_start
@@ -75,12 +75,14 @@ PLANNED_PROMPT_TOKENS = 256
 
 
 def model_config(cfg: Config):
-    """The policy's Hugging Face config, without loading any weights (None when only loading tells)."""
+    """The policy's Hugging Face config, without loading any weights (a GGUF's is in its metadata)."""
     if cfg.model.path:
         from transformers import AutoConfig
 
-        path = Path(cfg.model.path)
-        return AutoConfig.from_pretrained(path) if (path / "config.json").is_file() else None
+        source = resolve_model_source(cfg.model.path)
+        if source.suffix == ".gguf":  # the shapes are in the file's metadata
+            return AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+        return AutoConfig.from_pretrained(source)
     with torch.device("meta"):  # shapes only, no memory
         return build_demo_model(cfg.model, CharTokenizer(ArithmeticTask.alphabet).vocab_size).config
 
@@ -89,9 +91,6 @@ def check_memory_plan(cfg: Config, force: bool = False, log=print, world_size: i
     """Print the run's memory plan, per rank of `world_size`; refuse (ConfigError) a plan over 95% of the
     device unless `force`."""
     config = model_config(cfg)
-    if config is None:
-        log("memory plan: skipped, the model's shape is known only once it is loaded")
-        return None
     prompt_tokens = PLANNED_PROMPT_TOKENS
     if not cfg.model.path and cfg.task.kind == "arithmetic":
         widest = f"{'9' * cfg.task.digits}+{'9' * cfg.task.digits}="
