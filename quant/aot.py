@@ -299,6 +299,15 @@ def resource_usage(cubin: bytes) -> dict:
     return {"registers": regs, "stack_bytes": stack, "static_shared_bytes": shared, "local_bytes": local}
 
 
+PID_RE = re.compile(r"(%[\w.]+) = tt\.get_program_id (\w)")
+
+
+def widened_program_ids(ttir: str) -> list[str]:
+    """Grid axes whose program id the kernel extends to int64 before any offset arithmetic (so offsets of
+    tensors beyond 2**31 elements cannot wrap)."""
+    return sorted({ax for v, ax in PID_RE.findall(ttir) if f"arith.extsi {v} : i32 to i64" in ttir})
+
+
 MMA_RE = re.compile(r"\b(tcgen05\.mma[\w.:]*|mma\.sync[\w.:]*|wgmma\.mma_async[\w.:]*)")
 
 
@@ -310,7 +319,8 @@ def compile_launch(lau: Launch, cc: int) -> dict:
 
     mod, name = lau.kernel.split(":")
     fn = getattr(importlib.import_module(mod), name)
-    row = {"kernel": name, "label": lau.label, "case": lau.case, "sm": cc, "hot": name not in COLD_KERNELS}
+    row = {"kernel": name, "module": mod, "label": lau.label, "case": lau.case, "sm": cc}
+    row["hot"] = name not in COLD_KERNELS
     t0 = time.perf_counter()
     try:
         attrs = {(i,): [tuple(a) for a in v] for i, v in lau.attrs}
@@ -321,6 +331,7 @@ def compile_launch(lau: Launch, cc: int) -> dict:
         row["dynamic_shared_bytes"] = int(ck.metadata.shared)
         row["spills"] = row["local_bytes"] > 0 or row["stack_bytes"] > 0
         row["mma"] = sorted(set(MMA_RE.findall(ck.asm["ptx"])))
+        row["int64_program_ids"] = widened_program_ids(ck.asm["ttir"])
     except Exception as exc:  # a compile error is a result: the test reports every one
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
     row["seconds"] = round(time.perf_counter() - t0, 3)
