@@ -1,10 +1,10 @@
-"""Ahead-of-time compilation of every Triton kernel specialization bitrl can launch, for GPUs this machine lacks.
+"""Ahead-of-time compilation of every Triton kernel specialization bitrl can launch, for GPUs not present.
 
 The specializations are not listed by hand: :func:`collect_launches` drives the library's own dispatch code
-(``policy_loss``, ``fused_logprobs``, ``fused_linear_policy_loss``, ``quantize``, ``dequantize``, the W4A16 and
-FP4 ``dot_scaled`` matmuls) over the options its registries offer (loss types, KL estimators, number formats,
-input dtypes, and sizes that select every block configuration), with ``JITFunction.run`` replaced by a
-recorder. Each recorded launch carries the exact signature, constexprs and alignment attributes Triton's own
+(``policy_loss``, ``fused_logprobs``, ``fused_linear_policy_loss``, ``quantize``, ``dequantize``, the W4A16
+and FP4 ``dot_scaled`` matmuls) over the options its registries offer (loss types, KL estimators, number
+formats, input dtypes, and sizes that select every block configuration), with ``JITFunction.run`` replaced by
+a recorder. Each recorded launch carries the exact signature, constexprs and alignment attributes Triton's own
 binder derives, so compiling it with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``
 builds the same cubin a GPU launch would.
 
@@ -41,7 +41,7 @@ RESOURCE_RE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 @dataclass(frozen=True)
 class Launch:
-    """One specialization: kernel ``module:name``, Triton signature, constexprs, attributes, launch options."""
+    """One specialization: kernel ``module:name``, signature, constexprs, attributes, launch options."""
 
     kernel: str
     signature: tuple  # ((name, type), ...)

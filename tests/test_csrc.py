@@ -1,5 +1,5 @@
-"""The CUDA C++ kernels of csrc/: nvcc builds them for sm_90a and sm_100a here; their shared host code (Philox,
-the radix selections of the sampler) runs as a host program against Random123's known answers and an
+"""The CUDA C++ kernels of csrc/: nvcc builds them for sm_90a and sm_100a here; their shared host code
+(Philox, the radix selections of the sampler) runs as a host program against Random123's known answers and an
 independent numpy model of the sampler; the FP4 GEMV's torch twin is checked against bitrl.quant. The
 CUDA-vs-twin comparisons run where a GPU exists."""
 
@@ -48,7 +48,9 @@ def uniforms(seed: int, position: int, vocab: int) -> np.ndarray:
 
 
 def sample_model(logits, seed, position, t, top_k, top_p):
-    """The sampler's semantics with sorting (independent of the kernels' radix selections): (token, logprob)."""
+    """The sampler's semantics with sorting (independent of the kernels' radix selections).
+
+    Returns (token, logprob)."""
     x = np.asarray(logits, dtype=np.float32)
     if t == 0:
         return int(np.argmax(x)), 0.0

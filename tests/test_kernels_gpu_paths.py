@@ -122,8 +122,8 @@ def _emulated(recipe, x, w):
     return qa, qw, qa.dequantize() @ qw.dequantize().T
 
 
-# Triton's interpreter reads every dot_scaled scale byte as E8M0, so it cannot run the NVFP4 recipe (E4M3 block
-# scales): that one is compiled in tests/test_gpu_compile.py and compared on Blackwell below.
+# Triton's interpreter reads every dot_scaled scale byte as E8M0, so it cannot run the NVFP4 recipe (E4M3
+# block scales): that one is compiled in tests/test_gpu_compile.py and compared on Blackwell below.
 @pytest.mark.skipif(not interpret, reason="interprets the dot_scaled kernel on CPU (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("recipe", ["mxfp4_mxfp4", "mxfp4_mxfp8"])
 @pytest.mark.parametrize("m,n,k", [(3, 20, 128), (130, 129, 256)])
