@@ -144,7 +144,7 @@ def _case(seed, B=4, T=6, dtype=torch.float32):
     old = lp + torch.randn(B, T, generator=g) * 0.3
     old[0, 1] = lp[0, 1] - 30.0  # log-ratio beyond the clamp
     adv = torch.randn(B, generator=g)
-    adv[0] = abs(adv[0]) + 0.5  # positive: the beyond-the-clamp ratio of row 0 is clipped, the loss stays O(1)
+    adv[0] = abs(adv[0]) + 0.5  # > 0: row 0's beyond-the-clamp ratio is clipped, the loss stays O(1)
     adv[1] = -abs(adv[1]) - 1.0  # a clearly negative advantage: dual clip territory
     mask = torch.rand(B, T, generator=g) > 0.25
     mask[:, 0] = True
@@ -214,14 +214,16 @@ def test_loss_family_matches_naive_reference(impl, dtype, case):
     if "correction" in opts:
         kw.update(rollout_logprobs=rollout, correction=opts["correction"])
         naive_kw.update(rollout=_floats(rollout), correction=opts["correction"])
-    lp_leaf = lp.clone().requires_grad_(True)
-    loss, _ = policy_loss(lp_leaf, old, adv, mask, **kw)
+    dev = "cuda" if impl == "triton" and not interpret else "cpu"
+    kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    lp_leaf = lp.to(dev).requires_grad_(True)
+    loss, _ = policy_loss(lp_leaf, old.to(dev), adv.to(dev), mask.to(dev), **kw)
     loss.backward()
     adv_bt = adv.unsqueeze(-1).expand_as(old)
     want, want_grad = naive_loss(_floats(lp), _floats(old), _floats(adv_bt), mask.tolist(), **naive_kw)
     assert math.isfinite(loss.item())
     assert abs(loss.item() - want) <= 1e-5 * max(1.0, abs(want)), (loss.item(), want)
-    grad = lp_leaf.grad.double()
+    grad = lp_leaf.grad.double().cpu()
     assert torch.isfinite(grad).all()
     assert (grad[~mask] == 0).all()
     tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
