@@ -106,10 +106,9 @@ def test_summary_reads_the_gpu_outputs(tmp_path):
     assert g["quant_hbm"] == {"target": 0.7, "measured": 0.73, "met": True}
     assert g["gemv_hbm"] == {"target": 0.6, "measured": 0.65, "met": True}  # M = 1 only, CUDA kernel only
     md = (tmp_path / "summary.md").read_text()
-    assert (
-        "| GRPO loss with LM head, fwd+bwd, bitrl | N=16384 H=4096 V=151936 bf16 | 510 TFLOP/s | 64% | 1.50x |"
-        in md
-    )
+    row = "| GRPO loss with LM head, fwd+bwd, bitrl | N=16384 H=4096 V=151936 bf16 | 510 TFLOP/s | 64% "
+    row += "| 1.50x |"
+    assert row in md
 
 
 def test_summary_of_an_empty_run_says_not_measured(tmp_path):
