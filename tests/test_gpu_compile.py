@@ -78,6 +78,10 @@ def test_every_launched_kernel_is_compiled_for_hopper_and_blackwell(table):
     assert {sm for _, sm in compiled} == {90, 100}
 
 
+def test_every_dispatch_case_launches(table):
+    assert not table["case_failures"], "\n".join(table["case_failures"])
+
+
 def test_no_compile_errors(table):
     errors = [f"{r['label']} sm_{r['sm']}: {r['error'][:500]}" for r in table["kernels"] if "error" in r]
     assert not errors, "\n".join(errors)
