@@ -38,6 +38,7 @@ def test_autocast_trainer_against_full_precision_rollout_is_a_mismatch(tmp_path,
             "eval_every=100",
             "checkpoint_every=100",
             "warmstart.steps=0",
+            "rollout.prompts_per_step=8",
         ]
         assert main([*args, *TINY_DEMO_MODEL, f"train.autocast={autocast}"]) == 0
         lines = (tmp_path / f"runs/{autocast}/metrics.jsonl").read_text().splitlines()
