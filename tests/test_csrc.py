@@ -16,7 +16,8 @@ from bitrl.kernels.fp4_gemv import fp4_gemv, fp4_gemv_reference
 
 needs_nvcc = pytest.mark.skipif(cuda_ext.nvcc() is None, reason="nvcc not found: csrc/ is not compiled here")
 needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device to run the CUDA C++ kernels (compiled above)"
+    cuda_ext.cuda_unavailable_reason() is not None,
+    reason=f"{cuda_ext.cuda_unavailable_reason()} (compiled above)",
 )
 
 # ------------------------------------------------------------------------------------------ numpy model
