@@ -295,6 +295,7 @@ def gpu_report(out_dir: str, reps: int = 20) -> int:
                 f"matmul {fmt:<8} {path:<13} M={m:<5} N={n:<5} K={k:<5} {t * 1e6:8.1f} us vs bf16 "
                 f"{t_ref * 1e6:8.1f} us ({t_ref / t:.2f}x), rel err vs dequantized {err:.1e}"
             )
+    res["gemv"] = fp4_gemv_bandwidth(dev, peak, cuda_time, lines)
     policy = qwen05b_shaped(24).to(dev, torch.bfloat16)
     for fmt in ("mxfp4", "nvfp4", "fp8_e4m3"):
         qmodel = quantize_model(copy.deepcopy(policy), fmt, source=policy)
@@ -317,6 +318,61 @@ def gpu_report(out_dir: str, reps: int = 20) -> int:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(res["exact"].values()) else 1
+
+
+def fp4_gemv_bandwidth(dev, peak, cuda_time, lines) -> dict:  # pragma: no cover - needs CUDA
+    """Decode GEMV (M = 1 and 16) with FP4 weights: the CUDA C++ kernel, the Triton W4A16 matmul and bf16
+    ``F.linear``, side by side. GB/s counts the bytes that must move: packed weight + scales + x + out."""
+    import torch.nn.functional as F
+
+    from bitrl.kernels.cuda_ext import cuda_unavailable_reason
+    from bitrl.kernels.fp4_gemv import fp4_gemv
+    from bitrl.kernels.qmatmul import w4a16_matmul
+
+    out = {}
+    reason = cuda_unavailable_reason()
+    for fmt in ("mxfp4", "nvfp4"):
+        for m, n, k in ((1, 8192, 8192), (1, 151936, 4096), (16, 8192, 8192)):
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+            q = quantize(w, fmt)
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            moved = q.nbytes + x.numel() * 2 + m * n * 4
+            runs = {
+                "bf16 F.linear": (lambda w=w, x=x: F.linear(x, w), w.numel() * 2 + x.numel() * 2 + m * n * 2),
+                "triton w4a16": (
+                    lambda q=q, x=x, n=n, k=k: w4a16_matmul(
+                        x,
+                        q.data,
+                        q.scale_fp32(),
+                        q.fmt.element,
+                        bw=q.block[1],
+                        n=n,
+                        k=k,
+                        tensor_scale=q.tensor_scale,
+                    ),
+                    moved,
+                ),
+            }
+            if reason is None:
+                runs["cuda fp4_gemv"] = (
+                    lambda q=q, x=x, k=k: fp4_gemv(
+                        x, q.data, q.scale, q.fmt.name, k=k, tensor_scale=q.tensor_scale
+                    ),
+                    moved,
+                )
+            for name, (fn, nbytes) in runs.items():
+                t = cuda_time(fn)
+                gbs = nbytes / t / 1e9
+                frac = nbytes / t / peak if peak else None
+                out[f"{fmt}-{name}-{m}x{n}x{k}"] = {"s": t, "GB/s": gbs, "fraction_of_hbm": frac}
+                lines.append(
+                    f"gemv {fmt:<6} {name:<14} M={m:<3} N={n:<6} K={k:<5} {t * 1e6:8.1f} us {gbs:8.1f} GB/s"
+                    + (f" ({100 * frac:.0f}% of HBM)" if frac else "")
+                )
+            del w, q
+    if reason:
+        lines.append(f"gemv: CUDA C++ kernel not measured ({reason})")
+    return out
 
 
 def main(argv=None) -> int:

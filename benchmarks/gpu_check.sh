@@ -1,38 +1,71 @@
 #!/usr/bin/env bash
-# Every check that needs a CUDA GPU, in one run of at most 10 minutes, with its results in OUTDIR:
-#   gpu.txt            the device and the versions used
-#   tests.log          the whole test suite on the GPU: compiled Triton kernels instead of the interpreter,
-#                      FP8 _scaled_mm, W4A16, and the CUDA end-to-end training run
-#   bench.json/.log    the kernel and quantization benchmarks (pytest-benchmark), GPU sections included
-#   verify.jsonl       speculative reuse: a rollout whose drafts are all accepted against fresh generation,
-#                      on the demo, with long responses for 256 and 8 rows, and with a 150M bf16 model
-#   demo.log           `bitrl train` for 50 steps on the GPU (bf16 autocast)
-# Usage: benchmarks/gpu_check.sh OUTDIR   (PYTHON=... picks the interpreter; each step's failure is logged
-# and the next step still runs; the exit status is that of the test suite.)
+# Every check that needs a CUDA GPU, in one run of at most 8 minutes on one H200, with its results in OUTDIR:
+#   gpu.txt               the device and the versions used
+#   tests.log             the GPU test suite: compiled Triton kernels (no interpreter) against their references,
+#                         the CUDA C++ kernels (fused sampler, FP4 GEMV) against their torch twins, FP8
+#                         _scaled_mm, W4A16, native FP4 on Blackwell, the bf16-autocast end-to-end run
+#   kernel_resources.json registers / spills / shared memory of every Triton specialization (sm_90, sm_100)
+#   bench_kernels/        fused GRPO loss at N=16384 H=4096 V=151936 bf16: TFLOP/s, fraction of the measured
+#                         bf16 matmul roofline, ratio to Liger-Kernel (results.json, table.md)
+#   quant/                quantize / dequantize / FP4 GEMV GB/s and fraction of HBM bandwidth, matmuls,
+#                         requantize time (gpu_quant.json, gpu_quant.txt)
+#   summary.json / .md    the README's GPU rows and the issue's GPU goals, read from the files above
+#   verify.jsonl, demo.log  speculative-reuse verification cost, and `bitrl train` for 50 steps
+# Usage: benchmarks/gpu_check.sh OUTDIR   (PYTHON=... picks the interpreter; GPU_CHECK_DRY_RUN=1 prints the
+# steps with their time limits and runs nothing. Each step's failure is logged and the next step still runs;
+# the exit status is that of the test suite.) The step limits add up to 450 s.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUTDIR}
 py=${PYTHON:-python3}
+dry=${GPU_CHECK_DRY_RUN:-0}
 mkdir -p "$out"
 scratch=$(mktemp -d)  # warm-start cache and run folders: only the summaries above go to OUTDIR
 trap 'rm -rf "$scratch"' EXIT
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 BITRL_CACHE=${BITRL_CACHE:-$scratch/cache}
+budget=0
 
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
-  $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+# step SECONDS LOGFILE COMMAND...: run COMMAND under a time limit, its output appended to LOGFILE
+step() {
+  local limit=$1 log=$2
+  shift 2
+  budget=$((budget + limit))
+  if [ "$dry" != "0" ]; then
+    echo "step ${limit}s -> ${log#"$out"/}: $*"
+    return 0
+  fi
+  timeout "$limit" "$@" >>"$log" 2>&1
+}
+
+if [ "$dry" = "0" ]; then
+  {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+    $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 '| triton', triton.__version__, '| transformers', transformers.__version__)"
-} >"$out/gpu.txt" 2>&1
-
-# The package itself, if this interpreter lacks it (its dependencies must be there: offline machines too).
-$py -c "import bitrl" 2>/dev/null || $py -m pip install -q --no-deps --no-build-isolation -e .
+    command -v nvcc && nvcc --version | tail -n 1
+  } >"$out/gpu.txt" 2>&1
+  # The package itself, if this interpreter lacks it (its dependencies must be there: offline machines too).
+  $py -c "import bitrl" 2>/dev/null || $py -m pip install -q --no-deps --no-build-isolation -e .
+fi
 
 # The GPU suite must not fall back to the interpreter.
 unset TRITON_INTERPRET
-timeout 240 $py -m pytest -q tests -p no:cacheprovider -rs 2>&1 | tee "$out/tests.log"
-status=${PIPESTATUS[0]}
+gpu_tests=(
+  tests/test_csrc.py tests/test_kernels_gpu_paths.py tests/test_quant_linear.py tests/test_quant_triton.py
+  tests/test_kernels_fused_logprobs.py tests/test_kernels_fused_linear.py tests/test_kernels_policy_loss.py
+  tests/test_kernels_loss_naive.py tests/test_kernels_helpers.py "tests/test_end_to_end.py::test_short_run_on_cuda"
+)
+step 180 "$out/tests.log" $py -m pytest -q "${gpu_tests[@]}" -p no:cacheprovider -rs
+status=$?
+[ "$dry" = "0" ] && cat "$out/tests.log"
 
-timeout 90 $py -m pytest -q benchmarks -p no:cacheprovider --benchmark-only \
-  --benchmark-json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+# Every Triton specialization compiled for sm_90 and sm_100 (the CPU-side check, here on more cores).
+step 45 "$out/compile.log" $py -m bitrl.quant.aot "$out/kernel_resources.json"
+
+# Fused loss at the GPU target shape (the CPU section at its quick size only, to save time).
+step 70 "$out/bench_kernels.log" $py -m bitrl.kernels.bench --quick --no-memory --ops grpo --reps 3 \
+  --out "$out/bench_kernels"
+step 55 "$out/quant.log" $py benchmarks/bench_quant.py --gpu-out "$out/quant"
+step 5 "$out/summary.log" $py benchmarks/gpu_summary.py "$out"
 
 # One JSON line per setting: the demo; long responses (untrained model) for 256 and for 8 rows; and a
 # 150M-parameter bf16 model with long responses, where decoding is bound by memory traffic, not arithmetic.
@@ -41,9 +74,14 @@ big="model.hidden_size=1024 model.intermediate_size=2816 model.num_layers=12 mod
 big="$big model.num_kv_heads=4 model.dtype=bfloat16"
 for setting in "" "$long" "$long rollout.prompts_per_step=1" "$long $big"; do
   # shellcheck disable=SC2086  # each setting is a list of overrides
-  timeout 50 $py benchmarks/bench_reuse.py --verification-cost --set $setting 2>&1 | tr -d '\n' >>"$out/verify.jsonl"
-  echo >>"$out/verify.jsonl"
+  step 15 "$scratch/verify.line" $py benchmarks/bench_reuse.py --verification-cost --set $setting
+  if [ "$dry" = "0" ]; then
+    tr -d '\n' <"$scratch/verify.line" >>"$out/verify.jsonl" && echo >>"$out/verify.jsonl"
+    rm -f "$scratch/verify.line"
+  fi
 done
 
-timeout 45 $py -m bitrl train steps=50 eval_every=25 "out_dir=$scratch/runs" 2>&1 | tail -n 30 >"$out/demo.log"
+step 35 "$scratch/demo.log" $py -m bitrl train steps=50 eval_every=25 "out_dir=$scratch/runs"
+[ "$dry" = "0" ] && tail -n 30 "$scratch/demo.log" >"$out/demo.log"
+[ "$dry" != "0" ] && echo "total limit ${budget}s"
 exit "$status"

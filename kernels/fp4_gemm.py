@@ -1,15 +1,15 @@
 """Native FP4 GEMM on Blackwell: ``tl.dot_scaled`` over block-scaled operands (W4A4 and W4A8).
 
-``fp4_gemm(a, a_scale, a_fmt, w, w_scale, *, vec, ...)`` computes ``deq(A)[M, K] @ deq(W)[N, K].T`` in fp32 where
+``fp4_gemm(a, a_scale, w, w_scale, *, recipe, k)`` computes ``deq(A)[M, K] @ deq(W)[N, K].T`` in fp32 where
 both operands stay in their stored formats and the tensor cores apply the block scales:
 
-==============  ============================  ==========================  ===================================
-recipe          activations A                 weights W                   sm_100 instruction (PTX)
-==============  ============================  ==========================  ===================================
-mxfp4_mxfp4     E2M1 packed, E8M0 / 32        E2M1 packed, E8M0 / 32      tcgen05.mma kind::mxf4 block_scale
-mxfp4_mxfp8     E4M3, E8M0 / 32               E2M1 packed, E8M0 / 32      tcgen05.mma kind::mxf8f6f4
-nvfp4_nvfp4     E2M1 packed, E4M3 / 16 + fp32  E2M1 packed, E4M3 / 16 + fp32  tcgen05.mma kind::mxf4nvf4 block16
-==============  ============================  ==========================  ===================================
+===========  ==========================  ========================  ========================================
+recipe       activations A               weights W                 sm_100 instruction (PTX)
+===========  ==========================  ========================  ========================================
+mxfp4_mxfp4  E2M1 pairs, E8M0 per 32     E2M1 pairs, E8M0 per 32   tcgen05.mma kind::mxf4 block_scale
+mxfp4_mxfp8  E4M3, E8M0 per 32           E2M1 pairs, E8M0 per 32   tcgen05.mma kind::mxf8f6f4 block_scale
+nvfp4_nvfp4  E2M1 pairs, E4M3 per 16     E2M1 pairs, E4M3 per 16   tcgen05.mma kind::mxf4nvf4 block16
+===========  ==========================  ========================  ========================================
 
 Layouts are those of ``bitrl.quant.QuantizedTensor`` (two codes per byte, even element in the low nibble; one
 scale per block along K, E8M0 as its biased byte, NVFP4 block scales as ``float8_e4m3fn``); NVFP4's two fp32

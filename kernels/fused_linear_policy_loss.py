@@ -25,6 +25,7 @@ from ._common import FLOAT_DTYPES, check_tensor, compute_dtype, resolve_impl
 from .fused_logprobs import (
     ChunkEngine,
     acc_dtype,
+    check_linear_outputs,
     default_chunk_size,
     fused_logprobs,
     validate_linear_inputs,
@@ -316,6 +317,8 @@ def fused_linear_policy_loss(
     loss = FusedLinearPolicyLossFunction.apply(
         h2, weight, bias, y, inv_t, plan, int(ignore_index), rows, impl, need_ent, out, need_grad, unit_t
     )
+    if check_finite:
+        check_linear_outputs((loss.detach(),), h2, weight, bias)
     return loss, finalize_metrics(out["parts"], plan, has_entropy=need_ent)
 
 

@@ -485,14 +485,25 @@ def validate_linear_inputs(hidden, weight, targets, bias, temperature, *, check_
         if not (tf > 0 and tf != float("inf")):
             raise ValueError(f"temperature: must be finite and > 0, got {tf}")
         inv_t = torch.full((N,), 1.0 / tf, dtype=acc, device=hidden.device)
-    if check_finite:
-        if not all_finite(hidden):
-            raise ValueError("hidden: contains NaN or inf")
-        if not all_finite(weight):
-            raise ValueError("weight: contains NaN or inf")
-        if bias is not None and bool((torch.isnan(bias) | (bias == float("inf"))).any()):
-            raise ValueError("bias: contains NaN or +inf (-inf entries, which mask tokens, are allowed)")
     return inv_t
+
+
+def check_linear_outputs(outputs, hidden, weight, bias) -> None:
+    """Raise ``ValueError`` naming the input when the op's outputs are not finite.
+
+    Non-finite hidden states, LM-head weights or bias entries always reach the outputs (the log-sum-exp of a
+    row sees every logit), so one check of the small outputs (one host sync) replaces scanning the [V, H]
+    weight on every call; the inputs are scanned only to name the culprit once something is wrong.
+    """
+    if all(all_finite(o) for o in outputs if o is not None):
+        return
+    if not all_finite(hidden):
+        raise ValueError("hidden: contains NaN or inf")
+    if not all_finite(weight):
+        raise ValueError("weight: contains NaN or inf")
+    if bias is not None and bool((torch.isnan(bias) | (bias == float("inf"))).any()):
+        raise ValueError("bias: contains NaN or +inf (-inf entries, which mask tokens, are allowed)")
+    raise ValueError("the logits overflowed: hidden and weight are finite but their product is not")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -617,7 +628,9 @@ def fused_logprobs(
         return_entropy: also return the entropy of each row's distribution.
         impl: ``"triton" | "torch" | "reference"``; default from ``BITRL_KERNEL_IMPL`` or the device.
         chunk_size: tokens per chunk (default: about 128 MiB of fp32 logits on CPU, 1 GiB on CUDA).
-        check_finite: validate that the inputs are finite (one device sync); ``False`` skips it.
+        check_finite: raise ``ValueError`` naming the input when hidden, weight or bias hold NaN/inf, found
+            from the [N] outputs (one device sync per call; the [V, H] weight is not scanned); ``False``
+            skips it.
 
     Returns:
         ``(logprobs [N] fp32, entropy [N] fp32 or None)``. Gradients flow to hidden, weight and bias; the
@@ -626,7 +639,7 @@ def fused_logprobs(
     inv_t = validate_linear_inputs(hidden, weight, targets, bias, temperature, check_finite=check_finite)
     impl = resolve_impl(impl, hidden.device, op="fused_logprobs")
     if impl == "reference":
-        return fused_logprobs_reference(
+        lp, ent = fused_logprobs_reference(
             hidden,
             weight,
             targets,
@@ -635,11 +648,15 @@ def fused_logprobs(
             ignore_index=ignore_index,
             return_entropy=return_entropy,
         )
-    chunk = int(chunk_size) if chunk_size else default_chunk_size(weight.shape[0], hidden.device)
-    if chunk <= 0:
-        raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
-    unit_t = not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0
-    lp, ent = FusedLogprobsFunction.apply(
-        hidden, weight, bias, targets, inv_t, int(ignore_index), bool(return_entropy), chunk, impl, unit_t
-    )
-    return lp, (ent if return_entropy else None)
+    else:
+        chunk = int(chunk_size) if chunk_size else default_chunk_size(weight.shape[0], hidden.device)
+        if chunk <= 0:
+            raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
+        unit_t = not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0
+        lp, ent = FusedLogprobsFunction.apply(
+            hidden, weight, bias, targets, inv_t, int(ignore_index), bool(return_entropy), chunk, impl, unit_t
+        )
+        ent = ent if return_entropy else None
+    if check_finite:
+        check_linear_outputs((lp.detach(), None if ent is None else ent.detach()), hidden, weight, bias)
+    return lp, ent

@@ -405,7 +405,7 @@ if HAS_TRITON:
         HAS_DELTA: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        pid = tl.program_id(0)
+        pid = tl.program_id(0).to(tl.int64)  # int64 offsets: B * T may exceed 2**31
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         inb = offs < n_elem
         m = tl.load(M + offs, mask=inb, other=0.0).to(tl.float32)

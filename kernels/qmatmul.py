@@ -51,8 +51,8 @@ if HAS_TRITON:
         BITS: tl.constexpr,
         IEEE: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        pid_m = tl.program_id(0).to(tl.int64)  # int64 offsets: M * K and N * K / 2 may exceed 2**31
+        pid_n = tl.program_id(1).to(tl.int64)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         kh = tl.arange(0, BLOCK_KH)  # byte index inside the K tile: elements 2*kh and 2*kh + 1
@@ -202,7 +202,22 @@ def fp8_scaled_mm(
     xq, xs = quantize_rows_fp8(x2)
     n = w_fp8.shape[0]
     ws = w_scale.reshape(1, n) if w_scale.numel() == n else w_scale.reshape(1, 1).expand(1, n).contiguous()
+    out_dtype = out_dtype or x.dtype
+    mm_dtype, fused_bias = scaled_mm_output(out_dtype, bias)
     out = torch._scaled_mm(
-        xq, w_fp8.t(), scale_a=xs, scale_b=ws.to(torch.float32), bias=bias, out_dtype=out_dtype or x.dtype
+        xq, w_fp8.t(), scale_a=xs, scale_b=ws.to(torch.float32), bias=fused_bias, out_dtype=mm_dtype
     )
+    out = out.to(out_dtype)
+    if bias is not None and fused_bias is None:
+        out = out + bias.to(out_dtype)
     return out.reshape(*lead, n)
+
+
+def scaled_mm_output(out_dtype: torch.dtype, bias: torch.Tensor | None):
+    """(out_dtype for ``torch._scaled_mm``, bias to fuse into it or None) for a requested output dtype.
+
+    Row-wise scaling (per-token activations, per-channel weights) produces bf16 only, and a fused bias must
+    have the output's dtype. So the matmul always writes bf16; a bias is fused (as bf16) only when the caller
+    wants bf16, and otherwise added after the cast, in the caller's dtype (fp32 bias stays fp32)."""
+    fuse = bias is not None and out_dtype == torch.bfloat16
+    return torch.bfloat16, (bias.to(torch.bfloat16) if fuse else None)

@@ -152,7 +152,7 @@ if HAS_TRITON:
         INV_MIN_SUB: tl.constexpr,
         ELEM_MAXV: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # int64 offsets: R * K may exceed 2**31
         blk = tl.program_id(1) * NB + tl.arange(0, NB)  # [NB]
         j = tl.arange(0, W)  # [W]
         bmask = blk < NBLK
@@ -215,7 +215,7 @@ if HAS_TRITON:
         BIAS: tl.constexpr,
         BITS: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # int64 offsets: R * K may exceed 2**31
         blk = tl.program_id(1) * NB + tl.arange(0, NB)
         j = tl.arange(0, W)
         bmask = blk < NBLK
@@ -248,7 +248,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _pack_kernel(codes_ptr, out_ptr, NBYTES, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < NBYTES
         lo = tl.load(codes_ptr + 2 * i, mask=m, other=0)
         hi = tl.load(codes_ptr + 2 * i + 1, mask=m, other=0)
@@ -256,7 +256,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _unpack_kernel(packed_ptr, out_ptr, NBYTES, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < NBYTES
         b = tl.load(packed_ptr + i, mask=m, other=0)
         tl.store(out_ptr + 2 * i, b & 0xF, mask=m)

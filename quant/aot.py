@@ -1,10 +1,10 @@
-"""Ahead-of-time compilation of every Triton kernel specialization bitrl can launch, for GPUs this machine lacks.
+"""Ahead-of-time compilation of every Triton kernel specialization bitrl can launch, for GPUs not present.
 
 The specializations are not listed by hand: :func:`collect_launches` drives the library's own dispatch code
-(``policy_loss``, ``fused_logprobs``, ``fused_linear_policy_loss``, ``quantize``, ``dequantize``, the W4A16 and
-FP4 ``dot_scaled`` matmuls) over the options its registries offer (loss types, KL estimators, number formats,
-input dtypes, and sizes that select every block configuration), with ``JITFunction.run`` replaced by a
-recorder. Each recorded launch carries the exact signature, constexprs and alignment attributes Triton's own
+(``policy_loss``, ``fused_logprobs``, ``fused_linear_policy_loss``, ``quantize``, ``dequantize``, the W4A16
+and FP4 ``dot_scaled`` matmuls) over the options its registries offer (loss types, KL estimators, number
+formats, input dtypes, and sizes that select every block configuration), with ``JITFunction.run`` replaced by
+a recorder. Each recorded launch carries the exact signature, constexprs and alignment attributes Triton's own
 binder derives, so compiling it with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``
 builds the same cubin a GPU launch would.
 
@@ -13,7 +13,11 @@ process pool and reads registers, stack, local memory (where spills go) and shar
 the ``cuobjdump`` that ships with Triton. ``python -m bitrl.kernels.aot OUT.json`` writes that table.
 
 Two device-dependent choices of the dispatch code are taken as on a GPU while recording on CPU tensors: the
-logits matmul runs in the input dtype (``matmul_dtype``), and the FP4 ``dot_scaled`` path is selected.
+logits matmul runs in the input dtype (``matmul_dtype``), and the FP4 ``dot_scaled`` path is selected. Nothing
+executes while recording, so the cases skip the checks that read outputs (``check_finite=False``).
+
+This module lives in ``bitrl.quant`` because it drives the dispatch of both packages (kernels/ imports
+nothing from quant/).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ RESOURCE_RE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 @dataclass(frozen=True)
 class Launch:
-    """One specialization: kernel ``module:name``, Triton signature, constexprs, attributes, launch options."""
+    """One specialization: kernel ``module:name``, signature, constexprs, attributes, launch options."""
 
     kernel: str
     signature: tuple  # ((name, type), ...)
@@ -163,9 +167,9 @@ def _logprob_cases():
             h = torch.randn(5, H, dtype=dtype, requires_grad=True)
             w = torch.randn(V, H, dtype=dtype, requires_grad=True)
             y = torch.randint(0, V, (5,))
-            lp, ent = fused_logprobs(h, w, y, impl="triton")
+            lp, ent = fused_logprobs(h, w, y, impl="triton", check_finite=False)
             (lp.sum() + ent.sum()).backward()  # backward with the entropy gradient
-            lp, _ = fused_logprobs(h, w, y, impl="triton", return_entropy=False)
+            lp, _ = fused_logprobs(h, w, y, impl="triton", return_entropy=False, check_finite=False)
             lp.sum().backward()  # backward without it
 
         yield f"fused_logprobs V={V} {dtype}", run
@@ -175,7 +179,9 @@ def _logprob_cases():
             h = torch.randn(2, 3, H, dtype=dtype, requires_grad=True)
             w = torch.randn(64, H, dtype=dtype, requires_grad=True)
             y = torch.randint(0, 64, (2, 3))
-            loss, _ = fused_linear_policy_loss(h, w, y, None, torch.randn(2), impl="triton")
+            loss, _ = fused_linear_policy_loss(
+                h, w, y, None, torch.randn(2), impl="triton", check_finite=False
+            )
             loss.backward()
 
         yield f"fused_linear_policy_loss {dtype}", run_linear
@@ -249,8 +255,11 @@ def dispatch_cases():
     yield from _matmul_cases()
 
 
-def collect_launches() -> list[Launch]:
-    """Run every dispatch case under the recorder; returns the distinct specializations."""
+def collect_launches(failures: list | None = None) -> list[Launch]:
+    """Run every dispatch case under the recorder; returns the distinct specializations.
+
+    A case may fail after its launches were recorded (nothing ran, so its outputs are garbage): that is
+    harmless. A case that fails before launching anything is appended to ``failures`` (or raised)."""
     import pkgutil
 
     from triton.runtime.jit import JITFunction
@@ -268,7 +277,15 @@ def collect_launches() -> list[Launch]:
     with recording(launches, case):
         for name, fn in dispatch_cases():
             case[0] = name
-            fn()
+            before = len(launches)
+            try:
+                fn()
+            except Exception as exc:
+                if len(launches) > before:
+                    continue
+                if failures is None:
+                    raise
+                failures.append(f"{name}: {type(exc).__name__}: {exc}")
     seen: dict[tuple, Launch] = {}
     for lau in launches:
         seen.setdefault(lau.key, lau)
@@ -299,6 +316,15 @@ def resource_usage(cubin: bytes) -> dict:
     return {"registers": regs, "stack_bytes": stack, "static_shared_bytes": shared, "local_bytes": local}
 
 
+PID_RE = re.compile(r"(%[\w.]+) = tt\.get_program_id (\w)")
+
+
+def widened_program_ids(ttir: str) -> list[str]:
+    """Grid axes whose program id the kernel extends to int64 before any offset arithmetic (so offsets of
+    tensors beyond 2**31 elements cannot wrap)."""
+    return sorted({ax for v, ax in PID_RE.findall(ttir) if f"arith.extsi {v} : i32 to i64" in ttir})
+
+
 MMA_RE = re.compile(r"\b(tcgen05\.mma[\w.:]*|mma\.sync[\w.:]*|wgmma\.mma_async[\w.:]*)")
 
 
@@ -310,7 +336,8 @@ def compile_launch(lau: Launch, cc: int) -> dict:
 
     mod, name = lau.kernel.split(":")
     fn = getattr(importlib.import_module(mod), name)
-    row = {"kernel": name, "label": lau.label, "case": lau.case, "sm": cc, "hot": name not in COLD_KERNELS}
+    row = {"kernel": name, "module": mod, "label": lau.label, "case": lau.case, "sm": cc}
+    row["hot"] = name not in COLD_KERNELS
     t0 = time.perf_counter()
     try:
         attrs = {(i,): [tuple(a) for a in v] for i, v in lau.attrs}
@@ -321,6 +348,7 @@ def compile_launch(lau: Launch, cc: int) -> dict:
         row["dynamic_shared_bytes"] = int(ck.metadata.shared)
         row["spills"] = row["local_bytes"] > 0 or row["stack_bytes"] > 0
         row["mma"] = sorted(set(MMA_RE.findall(ck.asm["ptx"])))
+        row["int64_program_ids"] = widened_program_ids(ck.asm["ttir"])
     except Exception as exc:  # a compile error is a result: the test reports every one
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
     row["seconds"] = round(time.perf_counter() - t0, 3)
@@ -336,7 +364,8 @@ def compile_all(workers: int | None = None, only: str | None = None) -> dict:
 
     ``only``: compile just the kernels whose name contains this string (for development)."""
     t0 = time.perf_counter()
-    launches = [lau for lau in collect_launches() if only is None or only in lau.kernel]
+    failures: list[str] = []
+    launches = [lau for lau in collect_launches(failures) if only is None or only in lau.kernel]
     tasks = [(lau, cc) for lau in launches for cc in sm_targets(lau.kernel)]
     workers = workers or os.cpu_count() or 1
     env = os.environ.pop("TRITON_INTERPRET", None)  # the workers must build real JIT functions
@@ -357,6 +386,7 @@ def compile_all(workers: int | None = None, only: str | None = None) -> dict:
         "n_compiles": len(rows),
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "workers": workers,
+        "case_failures": failures,
         "kernels": rows,
     }
 
@@ -394,8 +424,10 @@ def main(argv=None) -> int:
         f"{table['n_specializations']} specializations, {table['n_compiles']} compiles, "
         f"{table['wall_seconds']} s on {table['workers']} workers -> {out}"
     )
+    for f in table["case_failures"]:
+        print(f"dispatch case launched nothing: {f}")
     bad = [r for r in table["kernels"] if "error" in r or (r["hot"] and r["spills"])]
-    return 1 if bad else 0
+    return 1 if bad or table["case_failures"] else 0
 
 
 if __name__ == "__main__":

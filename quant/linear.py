@@ -31,7 +31,11 @@ __all__ = ["QuantLinear", "quantize_model", "requantize_"]
 
 _FP8_ACT = ("fp8", "fp8_e4m3")
 # (weight format, activation format) -> the native block-scaled recipe of bitrl.kernels.fp4_gemm
-NATIVE_FP4 = {("mxfp4", "mxfp4"): "mxfp4_mxfp4", ("mxfp4", "mxfp8"): "mxfp4_mxfp8", ("nvfp4", "nvfp4"): "nvfp4_nvfp4"}
+NATIVE_FP4 = {
+    ("mxfp4", "mxfp4"): "mxfp4_mxfp4",
+    ("mxfp4", "mxfp8"): "mxfp4_mxfp8",
+    ("nvfp4", "nvfp4"): "nvfp4_nvfp4",
+}
 
 
 class QuantLinear(nn.Module):
@@ -48,6 +52,11 @@ class QuantLinear(nn.Module):
       nvfp4 with "nvfp4"): activations quantized for real and both operands fed to block-scaled FP4 tensor
       cores (``bitrl.kernels.fp4_gemm``). Elsewhere these run emulated: fake-quantized activations times the
       dequantized weight, the same numbers up to accumulation order.
+
+    Memory: the dequantize-and-cache path keeps a full-precision copy of the weight next to the packed one, so
+    it saves no memory over an unquantized layer (it reproduces the numerics only). On CUDA this is the path
+    of MXFP8 weights (no fused MXFP8 kernel), of FP8 weights on GPUs below compute capability 8.9 or without
+    ``act="fp8"``, and of 2-D FP8 blocks; :meth:`resident_bytes` reports what a layer actually holds.
 
     Activation quantization (``act``): None (weight-only), "fp8" (per-token dynamic E4M3: W8A8), or a block
     format name ("mxfp4", "nvfp4", "mxfp8") for fake quantization of the activations (W4A4 numerics,
@@ -167,6 +176,13 @@ class QuantLinear(nn.Module):
             scale_mode=m["scale_mode"],
             dtype=m["dtype"],
         )
+
+    def resident_bytes(self) -> int:
+        """Bytes this layer holds for its weight: packed data, scales and, after a forward on the
+        dequantize-and-cache path, the cached full-precision copy (which makes it larger than the dense
+        layer it replaced)."""
+        held = [self.qdata, self.qscale, self.qtensor_scale, self._deq]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight as ``dtype`` (default: the compute dtype), cached per weight version."""
