@@ -1,4 +1,4 @@
-"""Trainer update throughput and peak memory at a real model size, and the memory plan against the measured peak.
+"""Trainer update throughput and peak memory at a real model size; the memory plan against the measured peak.
 
 The model is SmolLM2-135M's architecture (Llama: hidden 576, 30 layers, 9 heads / 3 KV heads, vocabulary
 49152, tied embeddings) built from its config with random weights: throughput and memory do not depend on the
@@ -49,7 +49,11 @@ ARMS = {
         "train.gradient_checkpointing=true",
     ],
     "bf16 plain": ["model.dtype=bfloat16", "train.master_weights=model"],
-    "bf16 plain + ckpt": ["model.dtype=bfloat16", "train.master_weights=model", "train.gradient_checkpointing=true"],
+    "bf16 plain + ckpt": [
+        "model.dtype=bfloat16",
+        "train.master_weights=model",
+        "train.gradient_checkpointing=true",
+    ],
     "LoRA r16, bf16 base": ["model.dtype=bfloat16", "model.lora.rank=16", "model.lora.alpha=32"],
 }
 TRAINER_PARTS = ("weights", "gradients", "optimizer", "autocast_weights", "activations")
@@ -160,8 +164,8 @@ def main(argv=None) -> int:
                 raise SystemExit(f"arm {arm!r} failed:\n{done.stderr[-3000:]}")
             result = json.loads(done.stdout.strip().splitlines()[-1]) | {"round": round_}
             runs.append(result)
-            print(f"[{time.time() - t0:6.0f}s] round {round_} {arm}: {result['update_tokens_per_s']:.0f} tok/s, "
-                  f"peak {result['peak_rss_gib']:.2f} GiB", flush=True)  # fmt: skip
+            speed, peak = result["update_tokens_per_s"], result["peak_rss_gib"]
+            print(f"[{time.time() - t0:6.0f}s] round {round_} {arm}: {speed:.0f} tok/s, peak {peak:.2f} GiB")
     summary = summarize(runs, args.arms)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -179,8 +183,8 @@ def summarize(runs: list[dict], arms: list[str]) -> list[dict]:
     rows = []
     for arm in arms:
         mine = [r for r in runs if r["arm"] == arm]
-        ratios = [rd[arm]["update_tokens_per_s"] / rd["fp32"]["update_tokens_per_s"] for rd in by_round.values()
-                  if "fp32" in rd and arm in rd]  # fmt: skip
+        same_round = [rd for rd in by_round.values() if "fp32" in rd and arm in rd]
+        ratios = [rd[arm]["update_tokens_per_s"] / rd["fp32"]["update_tokens_per_s"] for rd in same_round]
         measured = statistics.median(r["measured_trainer_gib"] for r in mine)
         planned = mine[0]["planned_trainer_gib"]
         rows.append({
@@ -199,14 +203,15 @@ def summarize(runs: list[dict], arms: list[str]) -> list[dict]:
 
 def table(summary: list[dict]) -> str:
     lines = [
-        "| arm | update tok/s | vs fp32 (same round) | old-log-prob tok/s | peak RSS GiB | trainer GiB measured "
-        "| planned | plan error |",
+        "| arm | update tok/s | vs fp32 (same round) | old-log-prob tok/s | peak RSS GiB "
+        "| trainer GiB measured | planned | plan error |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in summary:
         ratio = "-" if r["speed_vs_fp32"] is None else f"{r['speed_vs_fp32']:.2f}x"
         lines.append(
-            f"| {r['arm']} | {r['update_tokens_per_s']:.0f} | {ratio} | {r['old_logprobs_tokens_per_s']:.0f} | "
+            f"| {r['arm']} | {r['update_tokens_per_s']:.0f} | {ratio} | "
+            f"{r['old_logprobs_tokens_per_s']:.0f} | "
             f"{r['peak_rss_gib']:.2f} | {r['measured_trainer_gib']:.2f} | {r['planned_trainer_gib']:.2f} | "
             f"{100 * r['plan_error']:+.0f}% |"
         )

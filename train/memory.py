@@ -9,8 +9,8 @@ the prompt groups).
 Activations are counted from what autograd keeps for one Llama/Qwen2 decoder layer (per token, in elements):
 two RMSNorms (input and normalised output, kept in fp32 by the Hugging Face implementation), q/k/v and their
 rotary outputs, the attention output and its log-sum-exp (SDPA keeps no [T, T] matrix), and the SwiGLU's
-gate, activation, up and product. With gradient checkpointing only each layer's input is kept, plus one layer's
-activations while it is recomputed.
+gate, activation, up and product. With gradient checkpointing only each layer's input is kept, plus one
+layer's activations while it is recomputed.
 """
 
 from __future__ import annotations
@@ -58,12 +58,18 @@ class ModelShape:
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=getattr(config, "model_type", "") == "qwen2" or bool(getattr(config, "attention_bias", 0)),
+            qkv_bias=getattr(config, "model_type", "") == "qwen2"
+            or bool(getattr(config, "attention_bias", 0)),
         )
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear layer of one decoder layer."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        h, q, kv, i = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.intermediate,
+        )
         return {
             "q_proj": (h, q),
             "k_proj": (h, kv),
@@ -123,7 +129,8 @@ class MemoryPlan:
         return (
             f"memory plan: {_size(self.total)}{ranks} of {_size(self.device_bytes)} {self.device_name} "
             f"({100 * self.fraction:.1f}%) = {parts}; activations per micro-batch without checkpointing "
-            f"{_size(self.parts['_activations_plain'])}, with {_size(self.parts['_activations_checkpointed'])}"
+            f"{_size(self.parts['_activations_plain'])}, "
+            f"with {_size(self.parts['_activations_checkpointed'])}"
         )
 
     def refusal(self) -> str | None:
@@ -161,8 +168,10 @@ def plan_memory(
     lora, train, rollout = cfg.model.lora, cfg.train, cfg.rollout
     model_bytes = DTYPE_BYTES[cfg.model.dtype]
     master_bytes = 4 if train.master_weights == "fp32" else model_bytes
-    half_compute = model_bytes == 2 or train.autocast in ("bf16", "fp16") or (
-        train.autocast == "auto" and device_type == "cuda"
+    half_compute = (
+        model_bytes == 2
+        or train.autocast in ("bf16", "fp16")
+        or (train.autocast == "auto" and device_type == "cuda")
     )
     compute_bytes = 2 if half_compute else 4
 
@@ -185,7 +194,9 @@ def plan_memory(
         "optimizer": 2 * trainable * master_bytes * shard,  # AdamW: first and second moments
     }
     # A forward under autocast keeps a half-precision copy of every fp32 weight it casts until the backward.
-    fp32_params = (trainable if master_bytes == 4 else 0) + (shape.params if lora.rank and model_bytes == 4 else 0)
+    fp32_params = (trainable if master_bytes == 4 else 0) + (
+        shape.params if lora.rank and model_bytes == 4 else 0
+    )
     if compute_bytes == 2 and fp32_params:
         parts["autocast_weights"] = fp32_params * compute_bytes
 

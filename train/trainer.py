@@ -132,9 +132,9 @@ class PolicyTrainer:
     def backward(self, rollout: Rollout, old: torch.Tensor, advantages: torch.Tensor):
         """Accumulate into .grad the gradient of the minibatch loss, one micro-batch at a time.
 
-        rollout: the minibatch; old, advantages: its [B, R] old log-probs and [B] advantages. Every micro-batch
-        loss is normalised by the minibatch's token and sequence counts, so the micro-batch gradients add up
-        to the one-batch gradient. Returns (loss, metrics) of the whole minibatch as floats.
+        rollout: the minibatch; old, advantages: its [B, R] old log-probs and [B] advantages. Every
+        micro-batch loss is normalised by the minibatch's token and sequence counts, so the micro-batch
+        gradients add up to the one-batch gradient. Returns (loss, metrics) of the whole minibatch as floats.
         """
         cfg = self.cfg
         weights, keep = correction_weights(
