@@ -78,7 +78,7 @@ class PolicyTrainer:
             raise ValueError("the policy has no trainable parameters")
         # The dtype the weights were loaded in; with fp32 master weights only the trainable ones are upcast
         # (a frozen LoRA base keeps its storage dtype) and the forward runs under autocast in this dtype.
-        self.model_dtype = self.trainable[0].dtype
+        self.model_dtype = next(policy.parameters()).dtype
         if getattr(cfg, "master_weights", "fp32") == "fp32":
             for p in self.trainable:
                 p.data = p.data.float()
