@@ -32,6 +32,11 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LOSS_CHUNK_BYTES = {"cpu": 128 * 2**20, "cuda": 1 * GiB}
 
 
+def _targets(targets) -> list[str]:
+    """The decoder-layer linears that model.lora.target_modules adapts."""
+    return list(LINEAR_NAMES) if targets == "all-linear" else [n for n in LINEAR_NAMES if n in set(targets)]
+
+
 @dataclass
 class ModelShape:
     """The sizes of a decoder-only transformer that the plan needs (from a Hugging Face config)."""
@@ -92,9 +97,12 @@ class ModelShape:
         return embed + self.linear_params + self.layers * (2 * self.hidden + bias) + self.hidden
 
     def lora_params(self, rank: int, targets) -> int:
-        names = LINEAR_NAMES if targets == "all-linear" else [n for n in LINEAR_NAMES if n in set(targets)]
         shapes = self.linear_shapes()
-        return self.layers * sum(rank * (shapes[n][0] + shapes[n][1]) for n in names)
+        return self.layers * sum(rank * (shapes[n][0] + shapes[n][1]) for n in _targets(targets))
+
+    def adapter_input_elems(self, targets) -> int:
+        """Per token and layer: the input widths of the LoRA-adapted modules."""
+        return sum(self.linear_shapes()[n][0] for n in _targets(targets))
 
     def layer_activation_elems(self) -> tuple[int, int]:
         """(elements kept in the compute dtype, elements kept in fp32) per token for one decoder layer."""
@@ -224,9 +232,19 @@ def plan_memory(
     if train.micro_batch_tokens:
         tokens = min(tokens, max(train.micro_batch_tokens // seq, 1) * seq)
     compute, fp32 = shape.layer_activation_elems()
+    if lora.rank and compute_bytes < master_bytes:
+        # fp32 adapters under a half-precision forward: each adapted module keeps a half copy of its input
+        compute += shape.adapter_input_elems(lora.target_modules)
     per_layer = tokens * (compute * compute_bytes + fp32 * 4)
     residual = tokens * shape.hidden * 4  # each layer's input (the residual stream stays fp32 in HF models)
     head = min(tokens * shape.vocab * 4, LOSS_CHUNK_BYTES.get(device_type, GiB)) + tokens * shape.hidden * 8
+    # The fused LM-head op also holds [V, H] fp32 buffers: the weight's gradient when the head trains, and on
+    # a CPU its fp32 matmul operand (after a cast to the compute dtype when the head weight is fp32).
+    head_matrix = shape.vocab * shape.hidden
+    head_fp32 = model_bytes == 4 or (not lora.rank and master_bytes == 4)
+    head += 0 if lora.rank else head_matrix * 4
+    if device_type == "cpu" and compute_bytes == 2:
+        head += head_matrix * (4 + (2 if head_fp32 else 0))
     plain = shape.layers * (per_layer + residual) + head
     checkpointed = shape.layers * residual + per_layer + head
     parts["activations"] = checkpointed if train.gradient_checkpointing else plain
