@@ -1,5 +1,5 @@
-"""`bitrl export RUN --out DIR`: a Hugging Face directory, LoRA merged, that AutoModelForCausalLM loads and that
-computes what the trained policy computes."""
+"""`bitrl export RUN --out DIR`: a Hugging Face directory, LoRA merged, that AutoModelForCausalLM loads
+and that computes what the trained policy computes."""
 
 import pytest
 import torch
@@ -40,7 +40,11 @@ def trained_policy(cfg):
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["model.lora.rank=4", "model.lora.alpha=16"], ["model.lora.rank=4", "model.lora.base_precision=nvfp4"]],
+    [
+        [],
+        ["model.lora.rank=4", "model.lora.alpha=16"],
+        ["model.lora.rank=4", "model.lora.base_precision=nvfp4"],
+    ],
     ids=["full", "lora", "lora-nvfp4-base"],
 )
 def test_export_round_trips(tmp_path, extra):

@@ -1,4 +1,4 @@
-"""The trainer at real sizes: micro-batching, gradient checkpointing, master weights, LoRA and its rollout copy."""
+"""The trainer at real sizes: micro-batching, gradient checkpointing, master weights, LoRA, rollout copy."""
 
 import copy
 
@@ -9,8 +9,8 @@ from conftest import make_qwen
 from bitrl.engine.config import load_config
 from bitrl.rollout.engine import Rollout, generate
 from bitrl.rollout.precision import make_rollout_model, sync_rollout_model_
-from bitrl.train.lora import apply_lora, lora_layers
 from bitrl.train.logprobs import token_logprobs
+from bitrl.train.lora import apply_lora, lora_layers
 from bitrl.train.trainer import PolicyTrainer, micro_batches
 
 TINY = dict(
@@ -99,8 +99,9 @@ def test_micro_batching_gives_the_one_batch_update(aggregation, correction, args
     results = {}
     for budget in (0, 10, 25):
         model = make_qwen(**TINY)
-        results[budget] = accumulated_gradient(model, train_cfg(*common, f"train.micro_batch_tokens={budget}"),
-                                               rollout, advantages)
+        results[budget] = accumulated_gradient(
+            model, train_cfg(*common, f"train.micro_batch_tokens={budget}"), rollout, advantages
+        )
     loss, grad, old = results[0]
     assert grad.norm() > 0
     for budget in (10, 25):
@@ -126,7 +127,9 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     rollout, advantages = sample(make_qwen(**TINY)), torch.linspace(-1, 1, 8)
     plain = accumulated_gradient(make_qwen(**TINY), train_cfg(), rollout, advantages)
     model = make_qwen(**TINY)
-    checkpointed = accumulated_gradient(model, train_cfg("train.gradient_checkpointing=true"), rollout, advantages)
+    checkpointed = accumulated_gradient(
+        model, train_cfg("train.gradient_checkpointing=true"), rollout, advantages
+    )
     assert model.model.gradient_checkpointing  # the switch reached the decoder
     assert relative_error(checkpointed[1], plain[1]) < 1e-6
 
@@ -168,7 +171,7 @@ def test_lora_gradients_reach_only_adapters_and_the_base_stays_put():
 
 
 def test_lora_rollout_copy_gets_the_merged_weights():
-    model = apply_lora(make_qwen(**TINY), lora_cfg("model.lora.target_modules=[\"q_proj\",\"down_proj\"]"))
+    model = apply_lora(make_qwen(**TINY), lora_cfg('model.lora.target_modules=["q_proj","down_proj"]'))
     assert {n.rsplit(".", 1)[1] for n in lora_layers(model)} == {"q_proj", "down_proj"}
     trainer = PolicyTrainer(model, train_cfg())
     rollout_model = make_rollout_model(model, "full")
@@ -189,19 +192,24 @@ def test_lora_rollout_copy_gets_the_merged_weights():
     merged = layer.base_layer.weight + layer.get_delta_weight("default")
     from bitrl.quant import quantize
 
-    assert torch.equal(quantized.model.layers[0].self_attn.q_proj.qdata, quantize(merged.detach(), "nvfp4").data)
+    assert torch.equal(
+        quantized.model.layers[0].self_attn.q_proj.qdata, quantize(merged.detach(), "nvfp4").data
+    )
 
 
 @pytest.mark.parametrize("base_precision", ["fp8", "mxfp4", "nvfp4"])
 def test_qerl_base_is_bit_identical_in_trainer_and_rollout(base_precision):
-    model = apply_lora(make_qwen(**TINY).to(torch.bfloat16), lora_cfg(f"model.lora.base_precision={base_precision}"))
+    model = apply_lora(
+        make_qwen(**TINY).to(torch.bfloat16), lora_cfg(f"model.lora.base_precision={base_precision}")
+    )
     trainer = PolicyTrainer(model, train_cfg())
     rollout_model = make_rollout_model(model, "full")
     for name, layer in lora_layers(model).items():
         twin = rollout_model.get_submodule(name)
         assert twin is not layer and twin.base_layer is layer.base_layer  # stored once, shared
         assert torch.equal(
-            twin.base_layer.dequantized_weight(torch.bfloat16), layer.base_layer.dequantized_weight(torch.bfloat16)
+            twin.base_layer.dequantized_weight(torch.bfloat16),
+            layer.base_layer.dequantized_weight(torch.bfloat16),
         )
     rollout = sample(make_qwen(**TINY))
     trainer.step(rollout, torch.linspace(-1, 1, 8))
@@ -218,7 +226,7 @@ def test_lora_config_errors_are_clear():
     with pytest.raises(ConfigError, match="base_precision needs LoRA"):
         load_config(overrides=["model.lora.base_precision=nvfp4"])
     with pytest.raises(ValueError, match="model.lora.target_modules"):
-        apply_lora(make_qwen(**TINY), lora_cfg("model.lora.target_modules=[\"nope\"]"))
+        apply_lora(make_qwen(**TINY), lora_cfg('model.lora.target_modules=["nope"]'))
 
 
 def test_checkpoint_state_of_a_lora_policy_is_the_adapters_only():
