@@ -14,7 +14,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
+from bitrl.engine.cli import main as cli_main  # noqa: E402
 from bitrl.integrations.trl import add_bitrl_lm_head, use_bitrl  # noqa: E402
+from bitrl.train.mismatch import mismatch_diagnostics  # noqa: E402
 
 PROMPTS = ["1+1=", "2+3=", "4+4=", "5+2="]
 
@@ -211,3 +213,19 @@ def test_dump_for_external_mismatch(model_dir, tmp_path):
     assert len(rows) == len(PROMPTS)
     n = int(inputs["completion_mask"][0].sum())
     assert rows[0]["old_logprobs"] == pytest.approx(inputs["old_per_token_logps"][0, :n].tolist())
+
+    # bitrl mismatch reads it without a model and reports the same diagnostics as bitrl's own
+    out = tmp_path / "report"
+    assert (
+        cli_main(
+            ["mismatch", "--external", str(tmp_path / "dump" / "rollout_logprobs.jsonl"), "--out", str(out)]
+        )
+        == 0
+    )
+    report = json.loads((out / "mismatch.json").read_text())
+    mask = inputs["completion_mask"].bool()
+    want = mismatch_diagnostics(inputs["old_per_token_logps"], inputs["sampling_per_token_logps"], mask)
+    assert report["num_tokens"] == int(mask.sum())
+    for key, value in want.items():
+        assert report[key] == pytest.approx(value, rel=1e-5, abs=1e-7)
+    assert (out / "mismatch.png").is_file()
