@@ -136,6 +136,12 @@ def plot(train_lp, rollout_lp, by_position, path: Path, title: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from bitrl.integrations.external import maybe_run_external  # TRL / verl rollout dumps
+
+    argv = list(argv)
+    handled = maybe_run_external(argv)
+    if handled is not None:
+        return handled
     parser = argparse.ArgumentParser(
         prog="bitrl mismatch",
         description="rollout vs trainer log-probs on the same tokens",

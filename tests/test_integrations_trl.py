@@ -14,7 +14,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
+from bitrl.engine.cli import main as cli_main  # noqa: E402
 from bitrl.integrations.trl import add_bitrl_lm_head, use_bitrl  # noqa: E402
+from bitrl.train.mismatch import mismatch_diagnostics  # noqa: E402
 
 PROMPTS = ["1+1=", "2+3=", "4+4=", "5+2="]
 
@@ -185,6 +187,28 @@ def test_correction_changes_the_loss_as_hand_computed(model_dir, tmp_path, corre
     assert any("bitrl/mismatch_k3" in logged for logged in trainer._metrics.values())
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "vespo"])
+def test_trl_importance_sampling_ratio_is_applied_as_trl_does(model_dir, tmp_path, loss_type):
+    """Without a bitrl correction, TRL's vLLM importance-sampling ratio weights the loss exactly as in TRL."""
+    trainer = make_trainer(model_dir, tmp_path, loss_type=loss_type)
+    inputs = _rollout_batch(trainer, model_dir)
+    m = inputs["completion_mask"]
+    ratio = torch.exp((inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"]) * m)
+    inputs["importance_sampling_ratio"] = ratio.clamp(max=1.002)  # TRL's token_truncate, cap inside the data
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True  # as TRL sets them with vLLM
+    params = list(trainer.model.parameters())
+    theirs = trainer.compute_loss(trainer.model, inputs)
+    grads_theirs = torch.autograd.grad(theirs, params)
+    use_bitrl(trainer)
+    ours = trainer.compute_loss(trainer.model, inputs)
+    grads_ours = torch.autograd.grad(ours, params)
+    # the per-token terms are O(|A| |log p|) ~ 4 and cancel within each group: fp32 rounding of the two LM
+    # heads' log-probs (~2e-7) shows up at ~1e-6 absolute
+    assert ours.item() == pytest.approx(theirs.item(), abs=2e-6, rel=1e-5)
+    for a, b in zip(grads_ours, grads_theirs):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-4)
+
+
 def test_refusals(model_dir, tmp_path):
     trainer = make_trainer(model_dir, tmp_path, use_adaptive_entropy=True, entropy_coef=0.01)
     with pytest.raises(ValueError, match="use_adaptive_entropy"):
@@ -211,3 +235,19 @@ def test_dump_for_external_mismatch(model_dir, tmp_path):
     assert len(rows) == len(PROMPTS)
     n = int(inputs["completion_mask"][0].sum())
     assert rows[0]["old_logprobs"] == pytest.approx(inputs["old_per_token_logps"][0, :n].tolist())
+
+    # bitrl mismatch reads it without a model and reports the same diagnostics as bitrl's own
+    out = tmp_path / "report"
+    assert (
+        cli_main(
+            ["mismatch", "--external", str(tmp_path / "dump" / "rollout_logprobs.jsonl"), "--out", str(out)]
+        )
+        == 0
+    )
+    report = json.loads((out / "mismatch.json").read_text())
+    mask = inputs["completion_mask"].bool()
+    want = mismatch_diagnostics(inputs["old_per_token_logps"], inputs["sampling_per_token_logps"], mask)
+    assert report["num_tokens"] == int(mask.sum())
+    for key, value in want.items():
+        assert report[key] == pytest.approx(value, rel=1e-5, abs=1e-7)
+    assert (out / "mismatch.png").is_file()

@@ -159,3 +159,76 @@ def test_fused_linear_for_ppo_on_bitrl():
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
     for a, b in zip(grads_ours, grads_theirs):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def _gen_batch(with_old: bool):
+    """A rollout batch as verl's rollout returns it (left-padded prompts, right-padded responses)."""
+    from verl.protocol import DataProto
+
+    g = torch.Generator().manual_seed(7)
+    B, P, R = 4, 5, 6
+    prompts = torch.randint(3, 40, (B, P), generator=g)
+    responses = torch.randint(3, 40, (B, R), generator=g)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[1, :2] = 0
+    response_mask = torch.ones(B, R, dtype=torch.long)
+    response_mask[2, 4:] = 0
+    rollout = -torch.rand(B, R, generator=g) * 2
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+        "response_mask": response_mask,
+        "rollout_log_probs": rollout,
+    }
+    if with_old:
+        tensors["old_log_probs"] = rollout + 0.05 * torch.randn(B, R, generator=g)
+    return DataProto.from_dict(tensors=tensors), tensors
+
+
+def test_external_mismatch_reads_verl_rollout_dump(tmp_path):
+    """A dump written by verl's own DataProto.save_to_disk (what its rollout skip/cache writes)."""
+    from bitrl.engine.cli import main as cli_main
+    from bitrl.integrations.external import read_external_dump
+    from bitrl.train.mismatch import mismatch_diagnostics
+
+    data, tensors = _gen_batch(with_old=True)
+    path = tmp_path / "1" / "gen_batch.dp"
+    path.parent.mkdir()
+    data.save_to_disk(path)
+    out = tmp_path / "report"
+    assert cli_main(["mismatch", "--external", str(path), "--out", str(out)]) == 0
+    import json
+
+    report = json.loads((out / "mismatch.json").read_text())
+    mask = tensors["response_mask"].bool()
+    want = mismatch_diagnostics(tensors["old_log_probs"], tensors["rollout_log_probs"], mask)
+    for key, value in want.items():
+        assert report[key] == pytest.approx(value, rel=1e-5, abs=1e-7)
+
+    data, tensors = _gen_batch(with_old=False)
+    data.save_to_disk(path)
+    dump = read_external_dump(path)
+    assert dump["prompt_ids"][1] == tensors["prompts"][1, 2:].tolist()
+    assert dump["response_ids"][2] == tensors["responses"][2, :4].tolist()
+    assert cli_main(["mismatch", "--external", str(path), "--out", str(out)]) == 2  # needs --model
+
+
+def test_external_verl_dump_rescored_by_model(tmp_path):
+    """Without the trainer's log-probs in the dump, --model DIR rescores the dumped tokens."""
+    import json
+
+    from conftest import save_tiny_hf_model
+
+    from bitrl.engine.cli import main as cli_main
+
+    save_tiny_hf_model(tmp_path / "model")
+    data, tensors = _gen_batch(with_old=False)
+    data.save_to_disk(tmp_path / "gen_batch.dp")
+    out = tmp_path / "report"
+    argv = ["mismatch", "--model", str(tmp_path / "model"), "--external", str(tmp_path / "gen_batch.dp")]
+    assert cli_main([*argv, "--out", str(out)]) == 0
+    report = json.loads((out / "mismatch.json").read_text())
+    assert report["num_tokens"] == int(tensors["response_mask"].sum())
+    assert report["mismatch_k3_kl"] > 0
