@@ -40,8 +40,10 @@ __all__ = [
     "philox4x32",
     "sampling_uniforms",
     "sample_seeds",
+    "draw_step_seed",
     "fused_sample_reference",
     "fused_sample",
+    "filter_logits",
 ]
 
 MASK32 = 0xFFFFFFFF
@@ -91,6 +93,12 @@ def sampling_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
     x = x.reshape(x.shape[0], -1)[:, :vocab_size]
     u = ((x >> 8).float() + 0.5) * U_SCALE
     return u.clamp_(max=U_MAX)
+
+
+def draw_step_seed(generator: torch.Generator | None = None) -> int:
+    """One 64-bit step seed from a torch generator (the global one when None): the only draw a sampling
+    call makes from it."""
+    return int(torch.randint(-(2**63), 2**63 - 1, (), generator=generator, dtype=torch.long))
 
 
 def sample_seeds(step_seed: int, sample_ids: torch.Tensor) -> torch.Tensor:
@@ -165,15 +173,23 @@ def _top_p_threshold(z: torch.Tensor, top_p: float) -> torch.Tensor:
     return sorted_z.gather(-1, kept.sum(-1, keepdim=True) - 1)
 
 
-def _fused_sample_torch(logits, seeds, positions, temperature, top_k, top_p):
+def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """z = logits / T in fp32 [..., V], -inf outside the kept support (steps 1-3). temperature > 0.
+    log_softmax of the result is the log-prob of the distribution `fused_sample` draws from."""
     z = logits.float() / temperature
-    vocab = z.shape[-1]
-    if 0 < top_k < vocab:
+    shape = z.shape
+    z = z.reshape(-1, shape[-1])
+    if 0 < top_k < shape[-1]:
         kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
         z = z.masked_fill(z < kth, float("-inf"))
-    if top_p < 1.0:
+    if top_p < 1.0 and z.shape[0]:
         z = z.masked_fill(z < _top_p_threshold(z, top_p), float("-inf"))
-    u = sampling_uniforms(seeds, positions, vocab)
+    return z.reshape(shape)
+
+
+def _fused_sample_torch(logits, seeds, positions, temperature, top_k, top_p):
+    z = filter_logits(logits, temperature, top_k, top_p)
+    u = sampling_uniforms(seeds, positions, z.shape[-1])
     tokens = (z - torch.log(-torch.log(u))).argmax(-1)
     lse = torch.logsumexp(z, dim=-1)
     return tokens, z.gather(-1, tokens[:, None]).squeeze(-1) - lse
