@@ -96,8 +96,8 @@ def test_grouped_prompts_are_prefilled_once_and_sampled_independently(tiny_qwen)
 
 
 def _generate(model, prompts, seed=5, **kw):
-    sampling = dict(max_new_tokens=12, eos_id=2, pad_id=0, top_p=0.9)
-    return generate(model, prompts, generator=torch.Generator().manual_seed(seed), **sampling, **kw)
+    sampling = dict(max_new_tokens=12, eos_id=2, pad_id=0, top_p=0.9) | kw
+    return generate(model, prompts, generator=torch.Generator().manual_seed(seed), **sampling)
 
 
 def _same_samples(a, b):
@@ -139,14 +139,14 @@ def test_fp8_kv_cache_mismatch_is_reported_by_the_diagnostics(tiny_qwen):
     from bitrl.train.mismatch import mismatch_diagnostics
 
     set_engine_options(tiny_qwen, kv_cache_dtype="fp8")
-    r = _generate(tiny_qwen, [p for p in _prompts() for _ in range(4)])
+    r = _generate(tiny_qwen, [p for p in _prompts() for _ in range(4)], top_p=1.0)
     with torch.no_grad():
         full, _ = token_logprobs(tiny_qwen, r, with_entropy=False)
     d = mismatch_diagnostics(full, r.logprobs, r.response_mask)
     # (a random 2-layer model: large logits, so E4M3's 3 mantissa bits show clearly)
     assert 1e-4 < d["mismatch_k3_kl"] < 0.1 and 1e-3 < d["mismatch_max_abs_dp"] < 0.5
     set_engine_options(tiny_qwen, kv_cache_dtype="auto")
-    r = _generate(tiny_qwen, [p for p in _prompts() for _ in range(4)])
+    r = _generate(tiny_qwen, [p for p in _prompts() for _ in range(4)], top_p=1.0)
     with torch.no_grad():
         full, _ = token_logprobs(tiny_qwen, r, with_entropy=False)
     assert mismatch_diagnostics(full, r.logprobs, r.response_mask)["mismatch_max_abs_dp"] < 1e-5
