@@ -16,6 +16,7 @@ size 1) every helper here is the identity and the plain single-process path runs
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -224,6 +225,21 @@ def reshard(model: nn.Module) -> None:
     """Free the gathered parameters an FSDP2 root keeps after a forward without backward; no-op unsharded."""
     if is_sharded(model):
         model.reshard()
+
+
+@contextmanager
+def gathered(model: nn.Module):
+    """Every parameter of a sharded model gathered for the duration (a whole model on each rank), for work
+    that reads the weights directly instead of calling the model, e.g. evaluation through the rollout
+    engine; no-op unsharded."""
+    units = [unit for _, unit in fsdp_units(model)] if is_sharded(model) else []
+    for unit in units:
+        unit.unshard()
+    try:
+        yield model
+    finally:
+        for unit in units:
+            unit.reshard()
 
 
 def call_as_forward(model: nn.Module, fn):
