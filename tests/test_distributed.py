@@ -231,6 +231,27 @@ def test_rank_groups_are_whole_groups_in_rank_order():
         rank_groups(6, 0, 4)
 
 
+def test_launch_command_and_bad_world_sizes(capsys):
+    from bitrl.engine.launch import torchrun_command, without_nproc
+    from bitrl.engine.train_cmd import main
+
+    args = ["--nproc", "2", "steps=3", "--nproc=2", "--resume", "runs/x"]
+    cmd = torchrun_command(2, without_nproc(args))
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "bitrl"] + [
+        "train",
+        "steps=3",
+        "--resume",
+        "runs/x",
+    ]
+    # refused before anything is spawned, with the setting to change
+    assert main(["--nproc", "3", "rollout.prompts_per_step=4"]) == 2
+    assert "rollout.prompts_per_step (4) must divide by the world size (3)" in capsys.readouterr().err
+    assert main(["--nproc", "0"]) == 2
+    assert "--nproc must be >= 1" in capsys.readouterr().err
+    assert main(["train.fsdp_mixed_precision=fp8"]) == 2
+    assert "train.fsdp_mixed_precision" in capsys.readouterr().err
+
+
 def test_two_ranks_step_equals_one_rank(tmp_path):
     """fp32: one step on 2 ranks (FSDP2, each on its own groups) gives the single-process parameters within
     1e-5 relative, with and without gradient checkpointing, and with LoRA adapters; weight sync and the

@@ -63,6 +63,13 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def comm_device() -> torch.device:
+    """Where collectives take their tensors: the rank's GPU under nccl, the CPU under gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # ---------------------------------------------------------------------------------------------- rollouts
 
 
@@ -90,9 +97,10 @@ def gather_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
     out = []
     for t in tensors:
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, t.contiguous())
-        out.append(torch.cat(parts))
+        local = t.to(comm_device()).contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local)
+        out.append(torch.cat(parts).to(t.device))
     return tuple(out)
 
 
@@ -138,7 +146,9 @@ def reduce_metrics(metrics: dict[str, float], weight: float) -> dict[str, float]
     summed = [n for n in metrics if n not in extremes]
     per_rank = {"loss": 1.0, "grad_norm": 1.0 / dist.get_world_size()}
     sums = torch.tensor(
-        [metrics[n] * per_rank.get(n, weight) for n in summed] + [weight], dtype=torch.float64
+        [metrics[n] * per_rank.get(n, weight) for n in summed] + [weight],
+        dtype=torch.float64,
+        device=comm_device(),
     )
     dist.all_reduce(sums)
     total = max(float(sums[-1]), 1.0)
@@ -146,8 +156,9 @@ def reduce_metrics(metrics: dict[str, float], weight: float) -> dict[str, float]
     if extremes:  # min(x) = -max(-x): one all-reduce for both kinds
         sign = torch.tensor([1.0 if n.endswith("_max") else -1.0 for n in extremes], dtype=torch.float64)
         values = sign * torch.tensor([metrics[n] for n in extremes], dtype=torch.float64)
+        values = values.to(comm_device())
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        out.update({n: float(v) for n, v in zip(extremes, (sign * values).tolist())})
+        out.update({n: float(v) for n, v in zip(extremes, (sign * values.cpu()).tolist())})
     return out
 
 
