@@ -318,6 +318,10 @@ def test_two_ranks_run_like_one_and_resume_after_sigkill(tmp_path):
     assert run.wait(timeout=120) != 0
     log.close()
     assert (killed_dir / "checkpoint.json").is_file()
+    wrong = subprocess.run(
+        [*bitrl[:-2], "--resume", str(killed_dir)], env=ENV, capture_output=True, text=True
+    )
+    assert wrong.returncode == 2 and "saved by 2 ranks; resume it with --nproc 2" in wrong.stderr
 
     resumed = subprocess.run(
         [*bitrl, "--resume", str(killed_dir)], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300

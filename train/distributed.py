@@ -5,12 +5,16 @@ One process per device (launched by torchrun; `bitrl train --nproc N` spawns it)
 * a shard of the policy, its gradients and its optimizer states (`fully_shard` per decoder layer, then the
   root; the root keeps the embeddings, the final norm and the LM head);
 * a full rollout copy in its own precision, refreshed after each update one FSDP unit at a time
-  (`sync_rollout_model_sharded_`), so no second full-precision model is ever materialised;
+  (`sync_rollout_model_sharded_`): the sync never holds more than one gathered unit at full precision;
 * its share of the step's prompts: whole GRPO groups (`rank_groups`), so advantages need no communication.
 
 Loss normalisers are global (`global_counts`) and FSDP sums gradients instead of averaging them, so one
 step at world size N equals one step at world size 1 on the same global batch. Outside torchrun (or at world
 size 1) every helper here is the identity and the plain single-process path runs unchanged.
+
+Where a whole model does exist per rank: the policy is built whole and sharded afterwards (a transient of one
+model before the optimizer states exist), and evaluation gathers it for its duration (`gathered`), since the
+rollout engine reads weights directly rather than through the model's forward.
 """
 
 from __future__ import annotations
@@ -195,8 +199,8 @@ def shard_policy(model: nn.Module, mixed_precision: str = "auto") -> nn.Module:
     """Shard `model` in place with FSDP2: each decoder layer is one unit, the root holds the rest.
 
     Gradients are summed over ranks, not averaged: the loss is already divided by global token/sequence
-    counts. The root unit stays gathered from forward to backward (its default), so the LM head is gathered
-    once per micro-batch. Returns `model` (now also an FSDPModule).
+    counts. The root unit stays gathered from its forward to its backward, so the LM head is gathered once
+    per micro-batch. Returns `model` (now also an FSDPModule).
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
@@ -278,7 +282,7 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [*units, ("", model)]
 
 
-def unit_parameters(model: nn.Module, unit: nn.Module, unit_name: str):
+def unit_parameters(unit: nn.Module, unit_name: str):
     """(qualified name, parameter) of the parameters `unit` itself shards (not those of units inside it)."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -331,7 +335,7 @@ def sync_rollout_model_sharded_(rollout_model: nn.Module, policy: nn.Module) -> 
                     stats[key] = stats.get(key, 0) + value
                 unit.reshard()
             continue
-        for name, param in unit_parameters(policy, unit, unit_name):
+        for name, param in unit_parameters(unit, unit_name):
             name = _canon(name)
             full = full_tensor(param.detach())
             module_name, _, leaf = name.rpartition(".")
