@@ -36,10 +36,11 @@ from bitrl.train.checkpoint import (
 from bitrl.train.distributed import (
     broadcast_module_,
     gather_rows,
+    gathered,
     init_distributed,
     pad_to_global_width,
     rank_groups,
-    reshard,
+    sample_ids,
     sync_rollout_model_sharded_,
 )
 from bitrl.train.lora import apply_lora
@@ -153,10 +154,9 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     trainer = PolicyTrainer(policy, cfg.train, temperature=cfg.rollout.temperature)
 
     def evaluate():
-        """Held-out accuracy of the policy (sharded: every rank runs every problem, in lockstep)."""
-        result = accuracy(policy, tokenizer, task.eval_problems, cfg)
-        reshard(policy)  # a gathered root must not outlive the next optimizer step
-        return result
+        """Held-out accuracy of the policy (sharded: gathered for the evaluation, on every rank)."""
+        with gathered(policy):
+            return accuracy(policy, tokenizer, task.eval_problems, cfg)
 
     def sync_rollout_model():
         if ctx.enabled:  # gathered one FSDP unit at a time
@@ -216,6 +216,8 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
         # row i's draft is cached under (prompt uid, i-th sample of its group)
         draft_keys = [(p.uid, i % G) for i, p in enumerate(grouped)]
         rollout_fn = generate if reuse is None else reuse.bind(draft_keys)
+        # sampling keyed by global sample id: a sample does not depend on the world size or on its rank
+        keyed = {"sample_ids": sample_ids(my_groups, G).to(device)} if reuse is None else {}
         prompt_ids = encode_prompts(tokenizer, problems, cfg.task)
         rollout = rollout_fn(
             rollout_model,
@@ -227,6 +229,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
             top_k=cfg.rollout.top_k,
             top_p=cfg.rollout.top_p,
             generator=sampler,
+            **keyed,
         )
         rollout = pad_to_global_width(rollout, tokenizer.pad_token_id)
         t_rollout = time.perf_counter() - t0

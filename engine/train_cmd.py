@@ -57,6 +57,7 @@ def main(argv: list[str]) -> int:
         return 2
 
     from bitrl.engine.launch import launch, under_torchrun
+    from bitrl.train.checkpoint import check_resume_world_size
     from bitrl.train.distributed import rank_groups
 
     if args.nproc < 1:
@@ -65,6 +66,8 @@ def main(argv: list[str]) -> int:
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
     try:
         rank_groups(cfg.rollout.prompts_per_step, 0, world_size)
+        if args.resume:
+            check_resume_world_size(Path(args.resume), world_size)
     except ValueError as e:
         print(f"bitrl train: {e}", file=sys.stderr)
         return 2

@@ -1,18 +1,47 @@
-"""Batched generation with a KV cache for any Hugging Face causal LM.
+"""The rollout engine: batched generation with a preallocated KV cache, continuous batching, a decode step
+without host synchronisation, and counter-based fused sampling (bitrl.kernels.sampling).
 
-Prompts are left-padded so that every row's next token sits in the last column; position ids are
-computed from the attention mask so padded rows see the same positions as unpadded ones.
+It runs the model's own modules (embedding, norms, projections, MLPs, rotary embedding, LM head; quantized
+`QuantLinear`s included) in the order of the Hugging Face forward of the Llama family (Llama, Qwen2, Qwen3,
+Mistral), with attention written here against a cache it owns, so nothing depends on the `Cache` API of a
+transformers release.
+
+KV cache: static per layer, one [rows, kv_heads, columns, head_dim] buffer pair per layer (as gpt-fast), not
+paged blocks (as nano-vllm). A rollout knows its worst case before it starts (the longest prompt plus
+max_new_tokens) and runs at most `max_batch_rows` rows at once, so a dense buffer of max_batch_rows x that
+many columns is the whole budget, allocated once. Paging pays a block-table indirection on every attention
+read to share memory between requests of unknown length (serving); here a slot wastes at most the columns
+its sample does not use, and the decode step stays one fixed-shape function that torch.compile and CUDA
+graphs can capture. Prefix sharing is by copy: each distinct prompt is prefilled once into a prefill buffer,
+and each of its G samples copies those columns into its slot when it is admitted (a copy of the prompt's
+K/V per sample is small next to its decode).
+
+Continuous batching: samples wait in a queue; at most `max_batch_rows` slots decode at once, and a finished
+sample's slot takes the next waiting one (its prompt's K/V copied in, its first token drawn from the
+prefill's last hidden state). The decode step detects finished rows on the device (EOS or budget) and writes
+tokens and log-probs into per-sample output buffers by index, so the host only looks every `sync_every`
+steps. Once the queue is empty, finished slots leave the batch when at most half of it is alive.
+
+Sampling: one 64-bit step seed per call from `generator`; row seeds = sample_seeds(step seed, sample id) and
+the counter is the response position, so a sample does not depend on the batch it runs in, its slot, the
+admission order, max_batch_rows, world size or rank (pass global `sample_ids` from a data-parallel trainer).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections import deque
 from dataclasses import dataclass
 from functools import cache as memoize
 
 import torch
+import torch.nn.functional as F
 
-from bitrl.rollout.sampling import sample_tokens
+from bitrl.kernels.sampling import check_sampling_settings, draw_step_seed, fused_sample, sample_seeds
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
+FP8_MAX = 448.0
 
 
 @dataclass
@@ -78,7 +107,8 @@ def _cache_keyword(forward_owner: type) -> str:
 
 
 def with_cache(model, cache) -> dict:
-    """The keyword arguments that hand `cache` to `model`'s forward under this transformers' name for it."""
+    """The keyword arguments that hand a transformers `cache` to `model`'s forward under this release's name
+    for it (for code that runs the Hugging Face forward with its own cache, e.g. benchmarks)."""
     return {_cache_keyword(type(model)): cache, "use_cache": True}
 
 
@@ -91,28 +121,443 @@ def check_cache_filled(cache, tokens: int) -> None:
         )
 
 
-@torch.no_grad()
-def prefill_distinct(model, prompts: list[list[int]], pad_id: int):
-    """Prefill each distinct prompt once, with a fresh KV cache.
+# --------------------------------------------------------------------------- options
 
-    Returns (cache, last_logits [U, V], ids [U, P] int64 left-padded, mask [U, P] bool, row_of [B] int64) as
-    `distinct_prompts` does. Expand with `cache.batch_select_indices(row_of)` (or a selection derived from
-    it) before decoding per row.
+
+@dataclass
+class EngineOptions:
+    """How `generate` runs on a model (set with `set_engine_options`; bitrl.engine.config.RolloutConfig
+    holds the same fields). max_batch_rows: rows decoding at once; kv_cache_dtype: "auto" (the model's
+    dtype) or "fp8" (E4M3, values clamped to +-448); compile: torch.compile the decode step ("auto": on CUDA
+    only; on the 2-core CPU eager measured faster, see README); sync_every: decode steps between host looks
+    at the finished rows (None: 1 on CPU, where a look costs nothing, 8 on CUDA)."""
+
+    max_batch_rows: int = 256
+    kv_cache_dtype: str = "auto"
+    compile: bool | str = "auto"
+    sync_every: int | None = None
+
+    def __post_init__(self):
+        if not (isinstance(self.max_batch_rows, int) and self.max_batch_rows >= 1):
+            raise ValueError(f"max_batch_rows: must be an int >= 1, got {self.max_batch_rows!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.compile not in (True, False, "auto"):
+            raise ValueError(f"compile: must be true, false or 'auto', got {self.compile!r}")
+        if self.sync_every is not None and not (isinstance(self.sync_every, int) and self.sync_every >= 1):
+            raise ValueError(f"sync_every: must be an int >= 1 or None, got {self.sync_every!r}")
+
+    @classmethod
+    def from_config(cls, rollout_cfg) -> EngineOptions:
+        """From a bitrl.engine.config.RolloutConfig."""
+        return cls(
+            max_batch_rows=rollout_cfg.max_batch_rows,
+            kv_cache_dtype=rollout_cfg.kv_cache_dtype,
+            compile=rollout_cfg.compile,
+        )
+
+
+_OPTIONS_ATTR = "_bitrl_engine_options"
+
+
+def set_engine_options(model, options: EngineOptions | None = None, **fields) -> EngineOptions:
+    """Attach engine options to a rollout model (`generate`'s signature stays the public one)."""
+    options = options if options is not None else EngineOptions(**fields)
+    object.__setattr__(model, _OPTIONS_ATTR, options)
+    return options
+
+
+def engine_options(model) -> EngineOptions:
+    return getattr(model, _OPTIONS_ATTR, None) or EngineOptions()
+
+
+# --------------------------------------------------------------------------- the model, run step by step
+
+
+class KVCache:
+    """Per layer a K and a V buffer [rows, kv_heads, columns, head_dim] in `dtype` (fp8: E4M3, clamped)."""
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, columns: int, head_dim: int, dtype, device):
+        shape = (rows, kv_heads, columns, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.dtype = dtype
+
+    @property
+    def rows(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def columns(self) -> int:
+        return self.k[0].shape[2]
+
+    def _store(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dtype == torch.float8_e4m3fn:
+            x = x.clamp(-FP8_MAX, FP8_MAX)
+        return x.to(self.dtype)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor) -> None:
+        """k, v [R, kv_heads, T, head_dim] into column cols[r, t] of row r. cols: [R, T] int64."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        self.k[layer][rows, :, cols] = self._store(k.transpose(1, 2))
+        self.v[layer][rows, :, cols] = self._store(v.transpose(1, 2))
+
+    def read(self, layer: int, width: int, dtype):
+        """The first `width` columns of K and V, in `dtype`."""
+        k, v = self.k[layer][:, :, :width], self.v[layer][:, :, :width]
+        return k.to(dtype), v.to(dtype)
+
+    def copy_rows_(self, dst_rows: torch.Tensor, src: KVCache, src_rows: torch.Tensor, width: int) -> None:
+        """Row dst_rows[i], columns [0, width) <- src row src_rows[i] (same layout, same dtype)."""
+        for mine, theirs in ((self.k, src.k), (self.v, src.v)):
+            for dst, s in zip(mine, theirs):
+                dst[dst_rows, :, :width] = s[src_rows, :, :width]
+
+    def view(self, rows: slice) -> KVCache:
+        """The same buffers restricted to a slice of rows (writes go to this cache)."""
+        part = KVCache.__new__(KVCache)
+        part.k, part.v, part.dtype = [t[rows] for t in self.k], [t[rows] for t in self.v], self.dtype
+        return part
+
+    def select_(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (in that order)."""
+        self.k = [t[rows] for t in self.k]
+        self.v = [t[rows] for t in self.v]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Decoder:
+    """A Llama-family causal LM's modules, run against a `KVCache`.
+
+    Attention over a cache is defined by three things per row: the columns its new tokens are written to,
+    their positions (for the rotary embedding), and which cache columns each new token may see. The prefill,
+    the decode step and the verification of a draft tree are the same call with different masks.
     """
-    from transformers import DynamicCache
 
-    ids, mask, row_of = distinct_prompts(prompts, pad_id, next(model.parameters()).device)
-    attn = mask.long()
-    cache = DynamicCache(config=model.config)
-    out = model(
-        input_ids=ids,
-        attention_mask=attn,
-        position_ids=position_ids_from_mask(attn),
-        logits_to_keep=1,
-        **with_cache(model, cache),
+    def __init__(self, model):
+        config = model.config
+        model_type = getattr(config, "model_type", type(model).__name__)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"the rollout engine runs Llama-family models {SUPPORTED_MODEL_TYPES}; got model_type "
+                f"{model_type!r}"
+            )
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"} or getattr(config, "use_sliding_window", False):
+            raise ValueError(
+                f"the rollout engine needs full attention in every layer; got {sorted(layer_types)}"
+            )
+        self.model = model
+        self.inner = model.model
+        self.layers = list(self.inner.layers)
+        self.head = model.get_output_embeddings()
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
+        self.kv_heads = config.num_key_value_heads
+        self.dtype = self.inner.embed_tokens.weight.dtype
+        self.device = self.inner.embed_tokens.weight.device
+
+    def new_cache(self, rows: int, columns: int, kv_cache_dtype: str = "auto") -> KVCache:
+        dtype = KV_CACHE_DTYPES[kv_cache_dtype] or self.dtype
+        return KVCache(len(self.layers), rows, self.kv_heads, columns, self.head_dim, dtype, self.device)
+
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        cols: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [R, T, H] of tokens ids [R, T] at positions [R, T], written into cache
+        row r at columns cols [R, T]; visible [R, T, W] bool: the cache columns each token attends to (its own
+        column included), W <= cache.columns."""
+        rows, steps = ids.shape
+        width = visible.shape[-1]
+        x = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(x, positions)
+        cos, sin = cos[:, None], sin[:, None]
+        mask = visible[:, None]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(rows, steps, -1, self.head_dim)
+            k = attn.k_proj(h).view(rows, steps, -1, self.head_dim)
+            v = attn.v_proj(h).view(rows, steps, -1, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            cache.write(i, k, v, cols)
+            keys, values = cache.read(i, width, q.dtype)
+            o = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
+            )
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(rows, steps, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.inner.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+
+def decoder_for(model) -> Decoder:
+    """The model's `Decoder` (built once per model object)."""
+    decoder = getattr(model, "_bitrl_decoder", None)
+    if decoder is None or decoder.model is not model:
+        decoder = Decoder(model)
+        object.__setattr__(model, "_bitrl_decoder", decoder)
+    return decoder
+
+
+@torch.no_grad()
+def prefill(decoder: Decoder, prompts: list[list[int]], chunk_rows: int, kv_cache_dtype: str = "auto"):
+    """Run each prompt once. prompts: U token lists. Returns (cache: U rows, prompt in columns [0, len),
+    lengths [U] int64, last_hidden [U, H]: the final hidden state at each prompt's last token)."""
+    device = decoder.device
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+    width = int(lengths.max())
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    for u, p in enumerate(prompts):
+        ids[u, : len(p)] = torch.tensor(p, dtype=torch.long)
+    ids = ids.to(device)
+    cache = decoder.new_cache(len(prompts), width, kv_cache_dtype)
+    col = torch.arange(width, device=device)
+    causal = col[None, :] <= col[:, None]  # [T, W]
+    last = []
+    for start in range(0, len(prompts), chunk_rows):
+        part = slice(start, start + chunk_rows)
+        n = ids[part].shape[0]
+        visible = causal[None] & (col[None, None, :] < lengths[part, None, None])
+        hidden = decoder.hidden(ids[part], col.expand(n, -1), cache.view(part), col.expand(n, -1), visible)
+        last.append(hidden[torch.arange(n, device=device), lengths[part] - 1])
+    return cache, lengths, torch.cat(last)
+
+
+# --------------------------------------------------------------------------- continuous batching
+
+
+@dataclass
+class Sampling:
+    temperature: float
+    top_k: int
+    top_p: float
+    eos_id: int
+
+    def draw(self, logits, seeds, positions):
+        return fused_sample(logits, seeds, positions, self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class Contexts:
+    """Where the samples' contexts are (the K/V each new token attends to) and how each one continues.
+
+    cache: K/V of the contexts; row [N]: the cache row of sample n; visible [N, C] bool: the columns of that
+    row it attends to (C <= cache.columns); position [N]: the position of the token it feeds next; token [N]:
+    that token (already sampled); counter [N]: the response position of the next token it samples (the
+    sampling counter); budget [N]: how many more tokens it may sample (>= 1); seed [N]: its sampling seed.
+    """
+
+    cache: KVCache
+    row: torch.Tensor
+    visible: torch.Tensor
+    position: torch.Tensor
+    token: torch.Tensor
+    counter: torch.Tensor
+    budget: torch.Tensor
+    seed: torch.Tensor
+
+
+class Slots:
+    """The rows decoding now: a slot cache [S, ..., C + R] and per-slot state, all on the device."""
+
+    def __init__(self, decoder: Decoder, ctx: Contexts, slots: int, width: int, kv_cache_dtype: str):
+        device = decoder.device
+        self.cache = decoder.new_cache(slots, width, kv_cache_dtype)
+        self.context_width = ctx.visible.shape[1]
+        self.visible = torch.zeros((slots, width), dtype=torch.bool, device=device)
+        self.visible[:, 0] = True  # an empty slot still attends somewhere (no NaN)
+        zeros = torch.zeros(slots, dtype=torch.long, device=device)
+        self.sample = zeros.clone()
+        self.token, self.position, self.column = zeros.clone(), zeros.clone(), zeros.clone()
+        self.counter, self.budget, self.done, self.seed = (
+            zeros.clone(),
+            zeros.clone(),
+            zeros.clone(),
+            zeros.clone(),
+        )
+        self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.steps_host = [0] * slots  # tokens decoded since admission, per slot (host mirror, no sync)
+
+    def admit(self, slots: torch.Tensor, samples: torch.Tensor, ctx: Contexts, num_samples: int) -> None:
+        c = self.context_width
+        self.cache.copy_rows_(slots, ctx.cache, ctx.row[samples], c)
+        self.visible[slots] = False
+        self.visible[slots, :c] = ctx.visible[samples]
+        self.sample[slots] = samples
+        self.token[slots] = ctx.token[samples]
+        self.position[slots] = ctx.position[samples]
+        self.column[slots] = c
+        self.counter[slots] = ctx.counter[samples]
+        self.budget[slots] = ctx.budget[samples]
+        self.seed[slots] = ctx.seed[samples]
+        self.done[slots] = 0
+        self.alive[slots] = True
+        for s in slots.tolist():
+            self.steps_host[s] = 0
+
+    def select_(self, keep: torch.Tensor) -> None:
+        self.cache.select_(keep)
+        for name in (
+            "visible",
+            "sample",
+            "token",
+            "position",
+            "column",
+            "counter",
+            "budget",
+            "done",
+            "seed",
+            "alive",
+        ):
+            setattr(self, name, getattr(self, name)[keep])
+        self.steps_host = [self.steps_host[i] for i in keep.tolist()]
+
+
+def decode_step(
+    decoder: Decoder, st: Slots, out_tokens, out_logprobs, out_lengths, sampling: Sampling, width: int
+):
+    """One token for every slot, on the device only: forward the fed tokens, sample the next ones, record
+    them for the live slots (finished or empty slots write to the spare last row of the outputs), and mark
+    the slots that just finished (EOS or budget)."""
+    rows = torch.arange(st.column.shape[0], device=st.column.device)
+    column = st.column.clamp(max=st.cache.columns - 1)  # slots finished but not yet recycled keep going
+    st.visible[rows, column] = True
+    hidden = decoder.hidden(
+        st.token[:, None], st.position[:, None], st.cache, column[:, None], st.visible[:, None, :width]
     )
-    check_cache_filled(cache, ids.shape[1])
-    return cache, out.logits[:, -1], ids, mask, row_of
+    logits = decoder.logits(hidden[:, -1])
+    tok, lp = sampling.draw(logits, st.seed, st.counter)
+    spare = out_tokens.shape[0] - 1
+    out_row = torch.where(st.alive, st.sample, spare)
+    out_col = st.done.clamp(max=out_tokens.shape[1] - 1)
+    out_tokens[out_row, out_col] = tok
+    out_logprobs[out_row, out_col] = lp
+    st.done += 1
+    out_lengths[out_row] = st.done
+    st.alive &= (tok != sampling.eos_id) & (st.done < st.budget)
+    st.token.copy_(tok)
+    st.position += 1
+    st.column += 1
+    st.counter += 1
+
+
+@torch.no_grad()
+def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineOptions):
+    """Continue every sample of `ctx` until EOS or its budget, at most options.max_batch_rows at once.
+    Returns (tokens [N, R] int64, logprobs [N, R] fp32, lengths [N] int64), R = max budget; entries past a
+    sample's length are unspecified."""
+    n = ctx.row.shape[0]
+    device = decoder.device
+    longest = int(ctx.budget.max())
+    out_tokens = torch.zeros((n + 1, longest), dtype=torch.long, device=device)
+    out_logprobs = torch.zeros((n + 1, longest), dtype=torch.float32, device=device)
+    out_lengths = torch.zeros(n + 1, dtype=torch.long, device=device)
+    slots = min(options.max_batch_rows, n)
+    st = Slots(decoder, ctx, slots, ctx.visible.shape[1] + longest, options.kv_cache_dtype)
+    sync_every = options.sync_every or (8 if device.type == "cuda" else 1)
+    step = _compiled_step(options, device)
+    waiting = deque(range(n))
+    first = [waiting.popleft() for _ in range(slots)]
+    st.admit(torch.arange(slots, device=device), torch.tensor(first, device=device), ctx, n)
+    since_sync = 0
+    while True:
+        width = min(st.context_width + max(st.steps_host) + 1, st.cache.columns)
+        step(decoder, st, out_tokens, out_logprobs, out_lengths, sampling, width)
+        st.steps_host = [s + 1 for s in st.steps_host]
+        since_sync += 1
+        if since_sync < sync_every:
+            continue
+        since_sync = 0
+        alive = st.alive.tolist()
+        free = [s for s, a in enumerate(alive) if not a]
+        if waiting and free:
+            take = free[: len(waiting)]
+            samples = [waiting.popleft() for _ in take]
+            st.admit(torch.tensor(take, device=device), torch.tensor(samples, device=device), ctx, n)
+        elif not waiting:
+            live = sum(alive)
+            if live == 0:
+                break
+            if live <= len(alive) // 2:
+                st.select_(torch.tensor([s for s, a in enumerate(alive) if a], device=device))
+    return out_tokens[:n], out_logprobs[:n], out_lengths[:n]
+
+
+def _compiled_step(options: EngineOptions, device):
+    use = options.compile if options.compile != "auto" else device.type == "cuda"
+    if not use:
+        return decode_step
+    global _COMPILED_STEP
+    if _COMPILED_STEP is None:
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        _COMPILED_STEP = torch.compile(decode_step, mode=mode, dynamic=False)
+    return _COMPILED_STEP
+
+
+_COMPILED_STEP = None
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def check_sample_ids(sample_ids, batch: int, device) -> torch.Tensor:
+    if sample_ids is None:
+        return torch.arange(batch, device=device)
+    if (
+        not isinstance(sample_ids, torch.Tensor)
+        or sample_ids.shape != (batch,)
+        or sample_ids.dtype != torch.long
+    ):
+        raise ValueError(
+            f"sample_ids: expected a [{batch}] int64 tensor (one global id per prompt), got {sample_ids!r}"
+        )
+    return sample_ids.to(device)
+
+
+def first_tokens(
+    decoder: Decoder, hidden: torch.Tensor, rows: torch.Tensor, seeds, counter, sampling, chunk: int
+):
+    """Sample each row's first token from hidden[rows[i]] (the LM head on at most `chunk` rows at once).
+    Returns (tokens [N] int64, logprobs [N] fp32)."""
+    toks, lps = [], []
+    for start in range(0, rows.shape[0], chunk):
+        part = slice(start, start + chunk)
+        tok, lp = sampling.draw(decoder.logits(hidden[rows[part]]), seeds[part], counter[part])
+        toks.append(tok)
+        lps.append(lp)
+    return torch.cat(toks), torch.cat(lps)
+
+
+def assemble(first_tok, first_lp, tokens, logprobs, lengths, pad_id: int):
+    """Responses [N, 1 + R] = first token, then the decoded continuation (lengths [N], 0 for rows that ended
+    at the first token). Returns (response_ids, response_mask, logprobs) trimmed to the longest response."""
+    ids = torch.cat([first_tok[:, None], tokens], dim=1)
+    lps = torch.cat([first_lp[:, None], logprobs], dim=1)
+    total = lengths + 1
+    width = int(total.max())
+    mask = torch.arange(width, device=ids.device)[None, :] < total[:, None]
+    ids = ids[:, :width].masked_fill(~mask, pad_id)
+    lps = lps[:, :width].masked_fill(~mask, 0.0)
+    return ids, mask, lps
 
 
 @torch.no_grad()
@@ -127,68 +572,52 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    sample_ids: torch.Tensor | None = None,
 ) -> Rollout:
     """Sample up to `max_new_tokens` tokens after each prompt, stopping a row at `eos_id`.
 
-    model: a Hugging Face causal LM (anything whose forward takes input_ids, attention_mask, position_ids,
-    cache, use_cache and returns .logits and .cache). Repeated prompts are prefilled once. Deterministic for
-    a given `generator` state.
+    model: a Hugging Face causal LM of the Llama family (module docstring), any dtype, quantized linears
+    included; engine settings from `set_engine_options`. Repeated prompts are prefilled once. One 64-bit
+    seed is drawn from `generator` per call; sample_ids [B] int64 (default arange(B)) key each row's random
+    numbers, so a row's sample does not depend on the batch it runs in. temperature 0 is greedy (log-prob 0).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    cache, logits, ids, mask, row_of = prefill_distinct(model, prompts, pad_id)
-    if len(ids) != len(prompts):
-        cache.batch_select_indices(row_of)
-    prompt_ids, prompt_mask, logits = ids[row_of], mask[row_of], logits[row_of]
-    batch, device = prompt_ids.shape[0], prompt_ids.device
-    attn = prompt_mask.long()
-    next_pos = attn.sum(-1)
-    tokens, logps, alive_cols = [], [], []
-    alive = torch.ones(batch, dtype=torch.bool, device=device)
-    in_cache = torch.arange(batch, device=device)  # the rows the KV cache holds, in its order
-    for _ in range(max_new_tokens):
-        # Every row is sampled, finished ones too (their stale logits are ignored), so the random stream
-        # does not depend on which rows are still decoding.
-        tok, lp = sample_tokens(
-            logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+    check_sampling_settings(temperature, top_k, top_p)
+    options = engine_options(model)
+    decoder = decoder_for(model)
+    device = decoder.device
+    p_ids, p_mask, row_of = distinct_prompts(prompts, pad_id, device)
+    ids = check_sample_ids(sample_ids, len(prompts), device)
+    seeds = sample_seeds(draw_step_seed(generator), ids)
+    sampling = Sampling(float(temperature), int(top_k), float(top_p), eos_id)
+    distinct = [p[m].tolist() for p, m in zip(p_ids, p_mask)]
+    cache, lengths, last_hidden = prefill(decoder, distinct, options.max_batch_rows, options.kv_cache_dtype)
+    zeros = torch.zeros(len(prompts), dtype=torch.long, device=device)
+    first_tok, first_lp = first_tokens(
+        decoder, last_hidden, row_of, seeds, zeros, sampling, options.max_batch_rows
+    )
+    more = (first_tok != eos_id) & (max_new_tokens > 1)
+    rows = more.nonzero().squeeze(-1)
+    tokens = torch.zeros((len(prompts), max(max_new_tokens - 1, 1)), dtype=torch.long, device=device)
+    logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=device)
+    decoded = torch.zeros(len(prompts), dtype=torch.long, device=device)
+    if rows.numel():
+        col = torch.arange(cache.columns, device=device)
+        u = row_of[rows]
+        ctx = Contexts(
+            cache=cache,
+            row=u,
+            visible=col[None, :] < lengths[u, None],
+            position=lengths[u],
+            token=first_tok[rows],
+            counter=torch.ones_like(u),
+            budget=torch.full_like(u, max_new_tokens - 1),
+            seed=seeds[rows],
         )
-        tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
-        tokens.append(tok)
-        logps.append(torch.where(alive, lp, torch.zeros_like(lp)))
-        alive_cols.append(alive.clone())
-        alive &= tok != eos_id
-        if not alive.any() or len(tokens) == max_new_tokens:
-            break
-        in_cache, attn, next_pos, new_logits = decode_step(model, cache, in_cache, alive, tok, attn, next_pos)
-        logits = logits.index_copy(0, in_cache, new_logits.to(logits.dtype))
-    return Rollout(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=torch.stack(tokens, 1),
-        response_mask=torch.stack(alive_cols, 1),
-        logprobs=torch.stack(logps, 1),
+        t, lp, n = decode(decoder, ctx, sampling, options)
+        tokens[rows, : t.shape[1]], logprobs[rows, : t.shape[1]], decoded[rows] = t, lp, n
+    response_ids, response_mask, response_lp = assemble(
+        first_tok, first_lp, tokens, logprobs, decoded, pad_id
     )
-
-
-def decode_step(model, cache, in_cache: torch.Tensor, alive: torch.Tensor, tokens: torch.Tensor, attn, pos):
-    """One decoding step on the KV cache: feed each cached row its newest token.
-
-    in_cache [C] int64: the batch rows the cache holds, in its order; alive [B] bool and tokens [B] int64
-    over the whole batch; attn [C, T] int64: the cache's attention mask; pos [C] int64: each cached row's
-    next position. Finished rows first leave the cache once at most 3/4 of the rows it holds are alive, so a
-    step costs what its live rows cost (shrinking geometrically bounds the copying to a few cache sizes).
-    Returns (in_cache, attn, pos, logits [C', V]) for the rows the cache now holds, positions advanced.
-    """
-    keep = alive[in_cache]
-    if int(keep.sum()) <= 0.75 * len(in_cache):
-        index = keep.nonzero().squeeze(-1)
-        cache.batch_select_indices(index)
-        in_cache, attn, pos = in_cache[index], attn[index], pos[index]
-    attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-    out = model(
-        input_ids=tokens[in_cache, None],
-        attention_mask=attn,
-        position_ids=pos[:, None],
-        **with_cache(model, cache),
-    )
-    return in_cache, attn, pos + 1, out.logits[:, -1]
+    return Rollout(p_ids[row_of], p_mask[row_of], response_ids, response_mask, response_lp)

@@ -81,17 +81,22 @@ def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def tiny_run_args(out_dir: Path, name: str) -> list[str]:
-    """`bitrl train` overrides for a few RL steps of a one-layer demo model (no warm start)."""
+    """`bitrl train` overrides for a few RL steps of a one-layer demo model on one-digit sums, warm-started to
+    about 30% accuracy so that groups carry a learning signal."""
     return [
         f"out_dir={out_dir}",
         f"name={name}",
         "steps=6",
         "eval_every=3",
         "checkpoint_every=2",
-        "warmstart.steps=0",
+        "threads=1",
+        "task.digits=1",
         "task.n_eval=16",
+        "warmstart.steps=100",
+        "warmstart.lr=3e-3",
+        "warmstart.eval_every=50",
         "rollout.prompts_per_step=4",
-        "rollout.group_size=2",
+        "rollout.group_size=4",
         "model.hidden_size=32",
         "model.intermediate_size=64",
         "model.num_layers=1",
@@ -226,6 +231,27 @@ def test_rank_groups_are_whole_groups_in_rank_order():
         rank_groups(6, 0, 4)
 
 
+def test_launch_command_and_bad_world_sizes(capsys):
+    from bitrl.engine.launch import torchrun_command, without_nproc
+    from bitrl.engine.train_cmd import main
+
+    args = ["--nproc", "2", "steps=3", "--nproc=2", "--resume", "runs/x"]
+    cmd = torchrun_command(2, without_nproc(args))
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "bitrl"] + [
+        "train",
+        "steps=3",
+        "--resume",
+        "runs/x",
+    ]
+    # refused before anything is spawned, with the setting to change
+    assert main(["--nproc", "3", "rollout.prompts_per_step=4"]) == 2
+    assert "rollout.prompts_per_step (4) must divide by the world size (3)" in capsys.readouterr().err
+    assert main(["--nproc", "0"]) == 2
+    assert "--nproc must be >= 1" in capsys.readouterr().err
+    assert main(["train.fsdp_mixed_precision=fp8"]) == 2
+    assert "train.fsdp_mixed_precision" in capsys.readouterr().err
+
+
 def test_two_ranks_step_equals_one_rank(tmp_path):
     """fp32: one step on 2 ranks (FSDP2, each on its own groups) gives the single-process parameters within
     1e-5 relative, with and without gradient checkpointing, and with LoRA adapters; weight sync and the
@@ -256,11 +282,23 @@ def test_two_ranks_step_equals_one_rank(tmp_path):
             assert got[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
 
 
-def test_sigkill_of_one_rank_then_resume_reproduces_the_run(tmp_path):
-    """2 ranks: an uninterrupted run (plain torchrun), and a run (`bitrl train --nproc 2`) whose rank 1 is
-    SIGKILLed after its first checkpoint, then resumed: the metrics are identical, timings aside."""
+def test_two_ranks_run_like_one_and_resume_after_sigkill(tmp_path):
+    """An uninterrupted run on 2 ranks (plain torchrun) has the single-process run's metrics (sampling keyed
+    by sample id, whole groups per rank, global normalisers); a run (`bitrl train --nproc 2`) whose rank 1
+    is SIGKILLed after its first checkpoint, then resumed, has the uninterrupted run's metrics exactly."""
+    from bitrl.engine.config import load_config
+    from bitrl.engine.loop import run as train
+
     full = torchrun("-m", "bitrl", "train", *tiny_run_args(tmp_path, "full"))
     assert full.returncode == 0, full.stderr[-4000:]
+    two_ranks = metrics_without_timings(tmp_path / "full")
+    train(load_config(None, tiny_run_args(tmp_path, "one")), log=lambda *a: None)
+    one_rank = metrics_without_timings(tmp_path / "one")
+    assert [r["step"] for r in two_ranks] == [r["step"] for r in one_rank] == list(range(7))
+    assert any(r.get("reward_mean", 0) > 0 for r in one_rank) and any(r.get("loss", 0) for r in one_rank)
+    for a, b in zip(two_ranks, one_rank):
+        assert a.keys() == b.keys()
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-6), a["step"]
 
     bitrl = [sys.executable, "-m", "bitrl", "train", "--nproc", "2"]
     killed_dir = tmp_path / "killed"
@@ -280,13 +318,17 @@ def test_sigkill_of_one_rank_then_resume_reproduces_the_run(tmp_path):
     assert run.wait(timeout=120) != 0
     log.close()
     assert (killed_dir / "checkpoint.json").is_file()
+    wrong = subprocess.run(
+        [*bitrl[:-2], "--resume", str(killed_dir)], env=ENV, capture_output=True, text=True
+    )
+    assert wrong.returncode == 2 and "saved by 2 ranks; resume it with --nproc 2" in wrong.stderr
 
     resumed = subprocess.run(
         [*bitrl, "--resume", str(killed_dir)], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed" in resumed.stdout + resumed.stderr
-    assert metrics_without_timings(killed_dir) == metrics_without_timings(tmp_path / "full")
+    assert metrics_without_timings(killed_dir) == two_ranks
 
 
 if __name__ == "__main__":

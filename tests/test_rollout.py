@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from bitrl.rollout.engine import Rollout, generate, left_pad
+from bitrl.rollout.engine import Rollout, generate, left_pad, set_engine_options
 from bitrl.rollout.sampling import filtered_logprobs, sample_tokens
 from bitrl.train.logprobs import token_logprobs
 
@@ -61,17 +61,19 @@ def test_rollout_logprobs_equal_a_full_forward(tiny_qwen, temperature):
     with torch.no_grad():
         full, _ = token_logprobs(tiny_qwen, r, temperature=temperature)
     m = r.response_mask
-    torch.testing.assert_close(r.logprobs[m], full[m], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(r.logprobs[m], full[m], atol=1e-5, rtol=1e-5)
 
 
 def test_grouped_prompts_are_prefilled_once_and_sampled_independently(tiny_qwen):
-    """GRPO groups repeat each prompt G times: one prefill per distinct prompt, independent samples per row,
-    finished rows dropped from the decode batch, and the same log-probs as a full forward over each row."""
+    """GRPO groups repeat each prompt G times: one prefill per distinct prompt, then one token per decode
+    step for at most max_batch_rows rows, independent samples per row, and the same log-probs as a full
+    forward over each row."""
     grouped = [p for p in _prompts() for _ in range(4)]
     calls = []
-    hook = tiny_qwen.register_forward_pre_hook(
-        lambda m, a, k: calls.append(k["input_ids"].shape), with_kwargs=True
+    hook = tiny_qwen.model.embed_tokens.register_forward_hook(
+        lambda m, a, out: calls.append(tuple(a[0].shape))
     )
+    set_engine_options(tiny_qwen, max_batch_rows=5)
     try:
         r = generate(
             tiny_qwen,
@@ -83,19 +85,86 @@ def test_grouped_prompts_are_prefilled_once_and_sampled_independently(tiny_qwen)
         )
     finally:
         hook.remove()
-    assert calls[0][0] == 3
-    # Decode step t feeds response column t of the rows still generating column t + 1; finished rows leave
-    # the batch once at most 3/4 of it is alive.
-    decode_rows = [shape[0] for shape in calls[1:]]
-    needed = r.response_mask[:, 1 : len(decode_rows) + 1].sum(0).tolist()
-    assert all(n <= rows <= 12 for n, rows in zip(needed, decode_rows))
-    assert decode_rows == sorted(decode_rows, reverse=True) and decode_rows[-1] < 12
+    assert calls[0] == (3, 6)  # the three distinct prompts, once
+    assert all(rows <= 5 and steps == 1 for rows, steps in calls[1:])
     assert r.prompt_ids.shape[0] == 12 and torch.equal(r.prompt_ids[0], r.prompt_ids[3])
     assert len({tuple(row.tolist()) for row in r.response_ids[:4]}) > 1  # a group's samples differ
     with torch.no_grad():
         full, _ = token_logprobs(tiny_qwen, r)
     m = r.response_mask
-    torch.testing.assert_close(r.logprobs[m], full[m], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(r.logprobs[m], full[m], atol=1e-5, rtol=1e-5)
+
+
+def _generate(model, prompts, seed=5, **kw):
+    sampling = dict(max_new_tokens=12, eos_id=2, pad_id=0, top_p=0.9) | kw
+    return generate(model, prompts, generator=torch.Generator().manual_seed(seed), **sampling)
+
+
+def _same_samples(a, b):
+    assert torch.equal(a.response_mask, b.response_mask) and torch.equal(a.response_ids, b.response_ids)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_continuous_batching_returns_the_samples_of_one_big_batch(tiny_qwen, rows):
+    """Few slots (finished samples' slots taken by waiting ones) give the samples of one big batch."""
+    grouped = [p for p in _prompts() for _ in range(3)]
+    big = _generate(tiny_qwen, grouped)
+    lengths = big.response_mask.sum(1)
+    assert lengths.min() < lengths.max()  # uneven lengths: slots are recycled mid-way
+    set_engine_options(tiny_qwen, max_batch_rows=rows)
+    _same_samples(_generate(tiny_qwen, grouped), big)
+    set_engine_options(tiny_qwen, max_batch_rows=4, sync_every=3)  # the host looks every 3 steps
+    _same_samples(_generate(tiny_qwen, grouped), big)
+
+
+def test_a_sample_depends_on_its_id_not_on_its_batch(tiny_qwen):
+    """Shared-prefix groups equal separately prefilled prompts, and a subset of the rows with their global
+    sample ids (another rank's share, another batch) draws the same samples."""
+    grouped = [p for p in _prompts() for _ in range(3)]
+    whole = _generate(tiny_qwen, grouped)
+    for rows in ([4], [0, 8, 2], [7, 6]):
+        ids = torch.tensor(rows)
+        part = _generate(tiny_qwen, [grouped[i] for i in rows], sample_ids=ids)
+        width = part.response_ids.shape[1]
+        assert torch.equal(part.response_ids, whole.response_ids[ids, :width])
+        assert not whole.response_mask[ids, width:].any()
+        torch.testing.assert_close(part.logprobs, whole.logprobs[ids, :width], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="sample_ids"):
+        _generate(tiny_qwen, grouped, sample_ids=torch.arange(3))
+
+
+def test_fp8_kv_cache_mismatch_is_reported_by_the_diagnostics(tiny_qwen):
+    """An FP8 KV cache samples from a slightly different policy than the trainer's forward: the mismatch
+    diagnostics see it (the full-precision cache shows none)."""
+    from bitrl.train.mismatch import mismatch_diagnostics
+
+    grouped = [p for p in _prompts() for _ in range(4)]
+    found = {}
+    for kv in ("auto", "fp8"):
+        set_engine_options(tiny_qwen, kv_cache_dtype=kv)
+        r = _generate(tiny_qwen, grouped, top_p=1.0)
+        with torch.no_grad():
+            full, _ = token_logprobs(tiny_qwen, r, with_entropy=False)
+        found[kv] = mismatch_diagnostics(full, r.logprobs, r.response_mask)
+    assert found["auto"]["mismatch_max_abs_dp"] < 1e-5 and abs(found["auto"]["mismatch_k3_kl"]) < 1e-9
+    assert 1e-5 < found["fp8"]["mismatch_max_abs_dp"] < 0.1 and 0 < found["fp8"]["mismatch_k3_kl"] < 1e-3
+
+
+def test_engine_options_and_model_validation(tiny_qwen):
+    for fields, name in [
+        (dict(max_batch_rows=0), "max_batch_rows"),
+        (dict(kv_cache_dtype="int4"), "kv_cache_dtype"),
+        (dict(compile="yes"), "compile"),
+        (dict(sync_every=0), "sync_every"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            set_engine_options(tiny_qwen, **fields)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=16)).eval()
+    with pytest.raises(ValueError, match="Llama-family"):
+        generate(gpt2, _prompts(), max_new_tokens=2, eos_id=2, pad_id=0)
 
 
 def test_rollout_logprobs_with_top_k_top_p_match_the_filtered_full_forward(tiny_qwen):

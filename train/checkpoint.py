@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -63,6 +64,7 @@ def _fsync_dir(path: Path) -> None:
 def load_checkpoint(run_dir: str | Path) -> dict:
     path = Path(run_dir) / CHECKPOINT_NAME
     if not path.is_file():
+        check_resume_world_size(Path(run_dir), world_size=1)
         raise FileNotFoundError(f"no checkpoint at {path}")
     return torch.load(path, map_location="cpu", weights_only=False)
 
@@ -107,8 +109,6 @@ def save_sharded_checkpoint(
 ) -> Path:
     """Called by every rank. model: the FSDP2-sharded policy; rank_state: this rank's own state (anything
     torch.save takes). Returns the checkpoint directory."""
-    import json
-
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -137,22 +137,15 @@ def save_sharded_checkpoint(
 def load_sharded_checkpoint(run_dir: str | Path, model: torch.nn.Module, optimizer) -> dict:
     """Load the current sharded checkpoint into `model` and `optimizer` in place (same world size as when
     it was saved); returns this rank's own state."""
-    import json
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     run_dir = Path(run_dir)
-    pointer_path = run_dir / SHARDED_POINTER
-    if not pointer_path.is_file():
+    if not (run_dir / SHARDED_POINTER).is_file():
         raise FileNotFoundError(f"no sharded checkpoint at {run_dir} (no {SHARDED_POINTER})")
-    pointer = json.loads(pointer_path.read_text())
-    if pointer["world_size"] != dist.get_world_size():
-        raise ValueError(
-            f"{run_dir} was saved by {pointer['world_size']} ranks; resume it with --nproc "
-            f"{pointer['world_size']} (this run has {dist.get_world_size()})"
-        )
+    pointer = check_resume_world_size(run_dir, dist.get_world_size())
     path = run_dir / pointer["dir"]
     model_state, optim_state = get_state_dict(model, optimizer, options=_sharded_options())
     state = {"model": model_state, "optim": optim_state}
@@ -165,3 +158,16 @@ def load_sharded_checkpoint(run_dir: str | Path, model: torch.nn.Module, optimiz
         options=_sharded_options(),
     )
     return torch.load(path / f"rank{dist.get_rank()}.pt", map_location="cpu", weights_only=False)
+
+
+def check_resume_world_size(run_dir: Path, world_size: int) -> dict | None:
+    """The sharded checkpoint's pointer (None for a one-process checkpoint); a ValueError naming --nproc if
+    it was saved by another world size."""
+    pointer_path = run_dir / SHARDED_POINTER
+    pointer = json.loads(pointer_path.read_text()) if pointer_path.is_file() else None
+    if pointer is not None and pointer["world_size"] != world_size:
+        raise ValueError(
+            f"{run_dir} was saved by {pointer['world_size']} ranks; resume it with --nproc "
+            f"{pointer['world_size']} (this run has {world_size})"
+        )
+    return pointer

@@ -5,17 +5,22 @@ One process per device (launched by torchrun; `bitrl train --nproc N` spawns it)
 * a shard of the policy, its gradients and its optimizer states (`fully_shard` per decoder layer, then the
   root; the root keeps the embeddings, the final norm and the LM head);
 * a full rollout copy in its own precision, refreshed after each update one FSDP unit at a time
-  (`sync_rollout_model_sharded_`), so no second full-precision model is ever materialised;
+  (`sync_rollout_model_sharded_`): the sync never holds more than one gathered unit at full precision;
 * its share of the step's prompts: whole GRPO groups (`rank_groups`), so advantages need no communication.
 
 Loss normalisers are global (`global_counts`) and FSDP sums gradients instead of averaging them, so one
 step at world size N equals one step at world size 1 on the same global batch. Outside torchrun (or at world
 size 1) every helper here is the identity and the plain single-process path runs unchanged.
+
+Where a whole model does exist per rank: the policy is built whole and sharded afterwards (a transient of one
+model before the optimizer states exist), and evaluation gathers it for its duration (`gathered`), since the
+rollout engine reads weights directly rather than through the model's forward.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +67,13 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def comm_device() -> torch.device:
+    """Where collectives take their tensors: the rank's GPU under nccl, the CPU under gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # ---------------------------------------------------------------------------------------------- rollouts
 
 
@@ -89,9 +101,10 @@ def gather_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
     out = []
     for t in tensors:
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, t.contiguous())
-        out.append(torch.cat(parts))
+        local = t.to(comm_device()).contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local)
+        out.append(torch.cat(parts).to(t.device))
     return tuple(out)
 
 
@@ -137,7 +150,9 @@ def reduce_metrics(metrics: dict[str, float], weight: float) -> dict[str, float]
     summed = [n for n in metrics if n not in extremes]
     per_rank = {"loss": 1.0, "grad_norm": 1.0 / dist.get_world_size()}
     sums = torch.tensor(
-        [metrics[n] * per_rank.get(n, weight) for n in summed] + [weight], dtype=torch.float64
+        [metrics[n] * per_rank.get(n, weight) for n in summed] + [weight],
+        dtype=torch.float64,
+        device=comm_device(),
     )
     dist.all_reduce(sums)
     total = max(float(sums[-1]), 1.0)
@@ -145,8 +160,9 @@ def reduce_metrics(metrics: dict[str, float], weight: float) -> dict[str, float]
     if extremes:  # min(x) = -max(-x): one all-reduce for both kinds
         sign = torch.tensor([1.0 if n.endswith("_max") else -1.0 for n in extremes], dtype=torch.float64)
         values = sign * torch.tensor([metrics[n] for n in extremes], dtype=torch.float64)
+        values = values.to(comm_device())
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        out.update({n: float(v) for n, v in zip(extremes, (sign * values).tolist())})
+        out.update({n: float(v) for n, v in zip(extremes, (sign * values.cpu()).tolist())})
     return out
 
 
@@ -183,8 +199,8 @@ def shard_policy(model: nn.Module, mixed_precision: str = "auto") -> nn.Module:
     """Shard `model` in place with FSDP2: each decoder layer is one unit, the root holds the rest.
 
     Gradients are summed over ranks, not averaged: the loss is already divided by global token/sequence
-    counts. The root unit stays gathered from forward to backward (its default), so the LM head is gathered
-    once per micro-batch. Returns `model` (now also an FSDPModule).
+    counts. The root unit stays gathered from its forward to its backward, so the LM head is gathered once
+    per micro-batch. Returns `model` (now also an FSDPModule).
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
@@ -226,6 +242,21 @@ def reshard(model: nn.Module) -> None:
         model.reshard()
 
 
+@contextmanager
+def gathered(model: nn.Module):
+    """Every parameter of a sharded model gathered for the duration (a whole model on each rank), for work
+    that reads the weights directly instead of calling the model, e.g. evaluation through the rollout
+    engine; no-op unsharded."""
+    units = [unit for _, unit in fsdp_units(model)] if is_sharded(model) else []
+    for unit in units:
+        unit.unshard()
+    try:
+        yield model
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
 def call_as_forward(model: nn.Module, fn):
     """fn() run as `model`'s forward: for an FSDP2 root, between its pre- and post-forward hooks (parameters
     gathered, gradients reduce-scattered in backward); plain `fn()` otherwise. Without autograd the root is
@@ -251,7 +282,7 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [*units, ("", model)]
 
 
-def unit_parameters(model: nn.Module, unit: nn.Module, unit_name: str):
+def unit_parameters(unit: nn.Module, unit_name: str):
     """(qualified name, parameter) of the parameters `unit` itself shards (not those of units inside it)."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -304,7 +335,7 @@ def sync_rollout_model_sharded_(rollout_model: nn.Module, policy: nn.Module) -> 
                     stats[key] = stats.get(key, 0) + value
                 unit.reshard()
             continue
-        for name, param in unit_parameters(policy, unit, unit_name):
+        for name, param in unit_parameters(unit, unit_name):
             name = _canon(name)
             full = full_tensor(param.detach())
             module_name, _, leaf = name.rpartition(".")

@@ -1,0 +1,221 @@
+"""The counter-based fused sampler: Philox, the reference semantics, the torch and Triton paths."""
+
+import math
+
+import pytest
+import torch
+
+from bitrl.kernels._common import triton_unavailable_reason
+from bitrl.kernels.sampling import (
+    fused_sample,
+    fused_sample_reference,
+    philox4x32,
+    sample_seeds,
+    sampling_uniforms,
+)
+
+TRITON_SKIP = triton_unavailable_reason(torch.device("cpu"))
+needs_triton = pytest.mark.skipif(TRITON_SKIP is not None, reason=f"Triton path: {TRITON_SKIP}")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def test_philox_known_answers():
+    """Random123's known-answer vectors for philox4x32-10."""
+    cases = [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
+    ]
+    for counter, key, want in cases:
+        got = philox4x32(tuple(torch.tensor([c]) for c in counter), tuple(torch.tensor([k]) for k in key))
+        assert [int(w) for w in got] == list(want)
+
+
+def test_uniforms_layout_range_and_independence_of_the_batch():
+    seeds = torch.tensor([5, -3, 2**62 + 7])  # negative: the high word of the seed is its two's complement
+    positions = torch.tensor([0, 9, 2**33 + 1])
+    u = sampling_uniforms(seeds, positions, 11)
+    assert u.shape == (3, 11) and u.dtype == torch.float32
+    assert (u > 0).all() and (u < 1).all()
+    # lane v % 4 of counter v // 4, key = the seed's two words, counter words 1-2 = the position
+    s, p = 2**62 + 7, 2**33 + 1
+    x = philox4x32((torch.tensor([2]), p & 0xFFFFFFFF, p >> 32, 0), (s & 0xFFFFFFFF, s >> 32))
+    assert u[2, 9] == ((x[1] >> 8).float() + 0.5) * 2.0**-24
+    # a row's numbers do not depend on the other rows
+    torch.testing.assert_close(sampling_uniforms(seeds[1:2], positions[1:2], 11), u[1:2], rtol=0, atol=0)
+    # the top of the range is capped below 1 (fp32 would round 2^24 - 0.5 up to 2^24)
+    assert ((torch.tensor([2**24 - 1]).float() + 0.5) * 2.0**-24).item() == 1.0
+
+
+def test_sample_seeds():
+    ids = torch.tensor([0, 1, 2, 1, 2**40])
+    a = sample_seeds(123, ids)
+    assert a.dtype == torch.int64 and a[1] == a[3] and len(set(a.tolist())) == 4
+    assert not torch.equal(sample_seeds(124, ids), a)
+    assert torch.equal(sample_seeds(123, ids[[4, 0]]), a[[4, 0]])
+
+
+def _random_case(seed, rows, vocab, dtype, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    if ties:
+        logits = logits.round()  # many exact ties
+    seeds = torch.randint(-(2**62), 2**62, (rows,), generator=g)
+    positions = torch.randint(0, 2**40, (rows,), generator=g)
+    return logits.to(dtype), seeds, positions
+
+
+SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 12, 0.5), (0.5, 3, 0.95)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
+def test_torch_path_equals_the_reference(dtype, temperature, top_k, top_p):
+    for seed, ties in [(0, False), (1, True)]:
+        logits, seeds, positions = _random_case(seed, 16, 97, dtype, ties)
+        args = (logits, seeds, positions, temperature, top_k, top_p)
+        tok, lp = fused_sample(*args, impl="torch")
+        ref_tok, ref_lp = fused_sample_reference(*args)
+        assert torch.equal(tok, ref_tok)
+        torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+
+
+# The interpreter is slow: every setting in fp32, the filtered ones in bf16 / fp16, one multi-tile vocabulary.
+TRITON_CASES = [(torch.float32, *s) for s in SETTINGS] + [
+    (dtype, *s) for dtype in DTYPES[1:] for s in (SETTINGS[1], SETTINGS[3])
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,temperature,top_k,top_p", TRITON_CASES)
+def test_triton_kernel_equals_the_reference(dtype, temperature, top_k, top_p):
+    shapes = [(0, (6, 97), False), (2, (6, 64), True)]
+    if top_k == 12:
+        shapes.append((1, (2, 5000), False))
+    for seed, (rows, vocab), ties in shapes:
+        logits, seeds, positions = _random_case(seed, rows, vocab, dtype, ties)
+        args = (logits, seeds, positions, temperature, top_k, top_p)
+        tok, lp = fused_sample(*args, impl="triton")
+        ref_tok, ref_lp = fused_sample_reference(*args)
+        assert torch.equal(tok, ref_tok)
+        torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+
+
+def _filtered_softmax(logits, temperature, top_k, top_p):
+    """The kept support and its renormalised probabilities, from sorted cumulative masses (no ties in the
+    logits this is used with, so 'strictly more likely' is 'earlier in the sorted order')."""
+    z = logits.double() / temperature
+    order = torch.argsort(z, descending=True)
+    keep = torch.zeros_like(z, dtype=torch.bool)
+    n = len(z) if not (0 < top_k < len(z)) else top_k
+    p = torch.softmax(z[order[:n]], -1)
+    mass_before = p.cumsum(-1) - p
+    keep[order[:n][mass_before < top_p]] = True
+    probs = torch.softmax(z.masked_fill(~keep, float("-inf")), -1)
+    return keep, probs
+
+
+CHI2_SETTINGS = [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.5, 0, 0.7), (1.0, 3, 0.9)]
+
+
+@pytest.mark.parametrize("impl", ["torch", "reference"])
+@pytest.mark.parametrize("temperature,top_k,top_p", CHI2_SETTINGS)
+def test_sampled_frequencies_match_the_filtered_softmax(impl, temperature, top_k, top_p):
+    """Many draws (distinct seeds, one logits row): chi-square against the filtered softmax."""
+    logits = torch.tensor([2.0, 1.5, 0.5, 0.0, -0.5, -2.0])
+    n = 40000 if impl == "torch" else 4000
+    seeds = sample_seeds(7, torch.arange(n))
+    tokens, logps = fused_sample(
+        logits.expand(n, -1), seeds, torch.zeros(n, dtype=torch.long), temperature, top_k, top_p, impl=impl
+    )
+    keep, expected = _filtered_softmax(logits, temperature, top_k, top_p)
+    counts = torch.bincount(tokens, minlength=6).double()
+    assert (counts[~keep] == 0).all()
+    chi2 = (((counts - n * expected) ** 2) / (n * expected))[keep].sum().item()
+    dof = int(keep.sum()) - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * max(dof, 1)) + 10, chi2
+    torch.testing.assert_close(logps, expected.log()[tokens].float())
+
+
+@needs_triton
+def test_triton_frequencies_over_positions():
+    """The kernel's draws along the position counter of one seed: chi-square on a 6-token vocabulary."""
+    logits = torch.tensor([2.0, 1.5, 0.5, 0.0, -0.5, -2.0])
+    n = 3000
+    tokens, _ = fused_sample(
+        logits.expand(n, -1), torch.full((n,), 11), torch.arange(n), 1.0, 0, 0.9, impl="triton"
+    )
+    keep, expected = _filtered_softmax(logits, 1.0, 0, 0.9)
+    counts = torch.bincount(tokens, minlength=6).double()
+    chi2 = (((counts - n * expected) ** 2) / (n * expected))[keep].sum().item()
+    assert (counts[~keep] == 0).all() and chi2 < 30, chi2
+
+
+IMPLS = ["reference", "torch", pytest.param("triton", marks=needs_triton)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_hostile_rows(impl):
+    V = 40
+    ninf = float("-inf")
+    rows = torch.zeros(6, V)
+    rows[0] = ninf
+    rows[0, 17] = 3.0  # one finite entry: always drawn, log-prob 0
+    rows[1] = torch.linspace(-1e30, 1e30, V)  # huge logits: the largest has all the mass
+    rows[2] = 1.0  # all tied: top-p keeps the whole tie group, log-prob -log V
+    rows[3, :4] = 5.0  # a four-way tie on top
+    rows[4] = torch.arange(V).float()
+    rows[5] = ninf
+    rows[5, [3, 30]] = -1e4
+    seeds, positions = torch.arange(6) * 1000 + 1, torch.arange(6)
+    for top_k, top_p in [(0, 1.0), (V + 5, 1.0), (0, 1e-6), (2, 1e-6)]:
+        tok, lp = fused_sample(rows, seeds, positions, 1.0, top_k, top_p, impl=impl)
+        assert torch.isfinite(lp).all() and (lp <= 0).all()
+        assert tok[0] == 17 and lp[0] == 0
+        assert tok[1] == V - 1 and lp[1] == 0
+        assert tok[4] == V - 1 or top_p == 1.0
+        assert tok[5] in (3, 30)
+        if top_k == 0:
+            torch.testing.assert_close(lp[2], torch.tensor(-math.log(V)))
+        assert tok[3] < 4 or (top_k == 0 and top_p == 1.0 and tok[3] >= 0)
+        if top_p < 1:
+            torch.testing.assert_close(lp[3], torch.tensor(-math.log(4.0)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_rows_draw_does_not_depend_on_its_batch(impl):
+    logits, seeds, positions = _random_case(3, 8, 50, torch.float32)
+    tok, lp = fused_sample(logits, seeds, positions, 1.0, 0, 0.9, impl=impl)
+    perm = torch.tensor([5, 2, 7])
+    tok2, lp2 = fused_sample(logits[perm], seeds[perm], positions[perm], 1.0, 0, 0.9, impl=impl)
+    assert torch.equal(tok2, tok[perm])
+    torch.testing.assert_close(lp2, lp[perm], atol=1e-6, rtol=0)
+    other, _ = fused_sample(logits, seeds, positions + 1, 1.0, 0, 0.9, impl=impl)
+    assert not torch.equal(other, tok)
+
+
+def test_greedy_and_validation():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0]])
+    one = torch.zeros(1, dtype=torch.long)
+    tok, lp = fused_sample(logits, one, one, 0.0)
+    assert tok.tolist() == [1] and lp.tolist() == [0.0]
+    for kwargs, msg in [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            fused_sample(logits, one, one, **kwargs)
+    with pytest.raises(ValueError, match="seeds"):
+        fused_sample(logits, one.int(), one)
+    with pytest.raises(ValueError, match="positions"):
+        fused_sample(logits, one, torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="logits"):
+        fused_sample(logits.long(), one, one)
+    with pytest.raises(ValueError, match="impl"):
+        fused_sample(logits, one, one, impl="cuda-graph")
