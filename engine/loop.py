@@ -7,7 +7,6 @@ import json
 import os
 import random
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm

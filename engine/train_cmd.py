@@ -1,4 +1,7 @@
-"""`bitrl train [--config FILE | --preset NAME] [--resume RUN_DIR] [--nproc N] [--force] [section.key=value ...]`"""
+"""`bitrl train [--config FILE | --preset NAME] [--resume RUN_DIR] [--nproc N] [--force] [key=value ...]`
+
+Runs one RL training run; `key=value` overrides are dotted config fields (section.key=value).
+"""
 
 from __future__ import annotations
 
