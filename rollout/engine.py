@@ -511,7 +511,8 @@ def decode_step(decoder: Decoder, st: Slots, out: Outputs, sampling: Sampling, w
 @torch.no_grad()
 def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineOptions) -> Outputs:
     """Continue every sample of `ctx` until EOS or its budget, at most options.max_batch_rows at once.
-    Returns its `Outputs` (R = the largest budget; entries past a sample's length are unspecified)."""
+    Returns (its `Outputs`, the number of decode steps). R = the largest budget; entries past a sample's
+    length are unspecified."""
     n = ctx.row.shape[0]
     device = decoder.device
     longest = int(ctx.budget.max())
@@ -523,12 +524,13 @@ def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineO
     waiting = deque(range(n))
     first = [waiting.popleft() for _ in range(slots)]
     st.admit(torch.arange(slots, device=device), torch.tensor(first, device=device), ctx, n)
-    since_sync = 0
+    since_sync = steps = 0
     while True:
         width = min(st.context_width + max(st.steps_host) + 1, st.cache.columns)
         step(decoder, st, out, sampling, width)
         st.steps_host = [s + 1 for s in st.steps_host]
         since_sync += 1
+        steps += 1
         if since_sync < sync_every:
             continue
         since_sync = 0
@@ -544,7 +546,7 @@ def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineO
                 break
             if live <= len(alive) // 2:
                 st.select_(torch.tensor([s for s, a in enumerate(alive) if a], device=device))
-    return out.without_spare()
+    return out.without_spare(), steps
 
 
 def _compiled_step(options: EngineOptions, device):
@@ -600,12 +602,13 @@ def continue_after_first(
     """Responses = each sample's first token (ctx.token, already drawn, log-prob first_lp [N], top-k
     first_top or None) followed by its decoded continuation (samples whose first token is EOS or whose
     budget is 0 stop there). Returns (response_ids [N, W] int64, response_mask [N, W] bool, logprobs [N, W]
-    fp32, top: (ids, logprobs) [N, W, K] or None), W = the longest response."""
+    fp32, top: (ids, logprobs) [N, W, K] or None, decode steps run), W = the longest response."""
     n, device = ctx.token.shape[0], decoder.device
     rows = ((ctx.token != sampling.eos_id) & (ctx.budget > 0)).nonzero().squeeze(-1)
     full = Outputs.empty(n, max(int(ctx.budget.max()), 1), sampling.keep_topk, device).without_spare()
+    steps = 0
     if rows.numel():
-        out = decode(decoder, ctx.subset(rows), sampling, options)
+        out, steps = decode(decoder, ctx.subset(rows), sampling, options)
         width = out.tokens.shape[1]
         for name, value in out.__dict__.items():
             if value is not None:
@@ -627,7 +630,7 @@ def continue_after_first(
     top = None
     if sampling.keep_topk:
         top = (splice(first_top[0], full.top_ids, 0), splice(first_top[1], full.top_logprobs, float("-inf")))
-    return ids, mask, lps, top
+    return ids, mask, lps, top, steps
 
 
 @torch.no_grad()
@@ -671,7 +674,7 @@ def generate_rows(
         budget=torch.full_like(row_of, max_new_tokens - 1),
         seed=seeds,
     )
-    ids, mask, lps, _ = continue_after_first(decoder, ctx, first_lp, None, sampling, options, pad_id)
+    ids, mask, lps, _, _ = continue_after_first(decoder, ctx, first_lp, None, sampling, options, pad_id)
     return Rollout(p_ids[row_of], p_mask[row_of], ids, mask, lps)
 
 
