@@ -526,7 +526,12 @@ def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineO
     st.admit(torch.arange(slots, device=device), torch.tensor(first, device=device), ctx, n)
     since_sync = steps = 0
     while True:
-        width = min(st.context_width + max(st.steps_host) + 1, st.cache.columns)
+        # eager: attend over the columns in use only; compiled: one fixed shape (no recompilation per width)
+        width = (
+            st.cache.columns
+            if step is not decode_step
+            else min(st.context_width + max(st.steps_host) + 1, st.cache.columns)
+        )
         step(decoder, st, out, sampling, width)
         st.steps_host = [s + 1 for s in st.steps_host]
         since_sync += 1
