@@ -52,16 +52,16 @@ ARMS = {
 
 @contextlib.contextmanager
 def counting_forwards(model):
-    """Counts the model's forward calls and the tokens they carry (padding included) while the block runs:
-    yields a dict {"forwards": n, "tokens": n}. Counted on the base model, which every forward goes through
-    (reuse verification calls it directly)."""
+    """Counts the model's passes and the tokens they carry (padding included) while the block runs: yields
+    a dict {"forwards": n, "tokens": n}. Counted at the token embedding, where every pass of the rollout
+    engine (prefill, verification, decode step) starts."""
     count = {"forwards": 0, "tokens": 0}
 
-    def hook(module, args, kwargs):
+    def hook(module, args, output):
         count["forwards"] += 1
-        count["tokens"] += kwargs["input_ids"].numel()
+        count["tokens"] += args[0].numel()
 
-    handle = model.base_model.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = model.get_input_embeddings().register_forward_hook(hook)
     try:
         yield count
     finally:

@@ -37,7 +37,13 @@ from functools import cache as memoize
 import torch
 import torch.nn.functional as F
 
-from bitrl.kernels.sampling import check_sampling_settings, draw_step_seed, fused_sample, sample_seeds
+from bitrl.kernels.sampling import (
+    check_sampling_settings,
+    draw_step_seed,
+    filter_logits,
+    fused_sample,
+    sample_seeds,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
@@ -347,13 +353,23 @@ def prefill(decoder: Decoder, prompts: list[list[int]], chunk_rows: int, kv_cach
 
 @dataclass
 class Sampling:
+    """Sampling settings of a rollout; keep_topk > 0 also records the top-k of every sampled position's
+    distribution (speculative reuse's exact mode keeps them with its drafts)."""
+
     temperature: float
     top_k: int
     top_p: float
     eos_id: int
+    keep_topk: int = 0
 
     def draw(self, logits, seeds, positions):
         return fused_sample(logits, seeds, positions, self.temperature, self.top_k, self.top_p)
+
+    def top(self, logits):
+        """(ids [B, K] int64, log-probs [B, K] fp32) of the sampling distribution's K most likely tokens."""
+        logp = torch.log_softmax(filter_logits(logits, self.temperature, self.top_k, self.top_p), dim=-1)
+        values, ids = torch.topk(logp, min(self.keep_topk, logp.shape[-1]), dim=-1)
+        return ids, values
 
 
 @dataclass
@@ -374,6 +390,11 @@ class Contexts:
     counter: torch.Tensor
     budget: torch.Tensor
     seed: torch.Tensor
+
+    def subset(self, samples: torch.Tensor) -> Contexts:
+        """The contexts of `samples` only (same cache)."""
+        fields = {k: v[samples] for k, v in self.__dict__.items() if k != "cache"}
+        return Contexts(cache=self.cache, **fields)
 
 
 class Slots:
@@ -432,9 +453,34 @@ class Slots:
         self.steps_host = [self.steps_host[i] for i in keep.tolist()]
 
 
-def decode_step(
-    decoder: Decoder, st: Slots, out_tokens, out_logprobs, out_lengths, sampling: Sampling, width: int
-):
+@dataclass
+class Outputs:
+    """Per sample (plus a spare last row that finished and empty slots write to): tokens [N+1, R] int64,
+    logprobs [N+1, R] fp32, lengths [N+1] int64, and with keep_topk K > 0 top_ids [N+1, R, K] int64 /
+    top_logprobs [N+1, R, K] fp32."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    lengths: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, samples: int, width: int, keep_topk: int, device) -> Outputs:
+        top = (samples + 1, width, keep_topk)
+        return cls(
+            torch.zeros((samples + 1, width), dtype=torch.long, device=device),
+            torch.zeros((samples + 1, width), dtype=torch.float32, device=device),
+            torch.zeros(samples + 1, dtype=torch.long, device=device),
+            torch.zeros(top, dtype=torch.long, device=device) if keep_topk else None,
+            torch.full(top, float("-inf"), device=device) if keep_topk else None,
+        )
+
+    def without_spare(self) -> Outputs:
+        return Outputs(*(None if t is None else t[:-1] for t in self.__dict__.values()))
+
+
+def decode_step(decoder: Decoder, st: Slots, out: Outputs, sampling: Sampling, width: int):
     """One token for every slot, on the device only: forward the fed tokens, sample the next ones, record
     them for the live slots (finished or empty slots write to the spare last row of the outputs), and mark
     the slots that just finished (EOS or budget)."""
@@ -446,13 +492,15 @@ def decode_step(
     )
     logits = decoder.logits(hidden[:, -1])
     tok, lp = sampling.draw(logits, st.seed, st.counter)
-    spare = out_tokens.shape[0] - 1
+    spare = out.tokens.shape[0] - 1
     out_row = torch.where(st.alive, st.sample, spare)
-    out_col = st.done.clamp(max=out_tokens.shape[1] - 1)
-    out_tokens[out_row, out_col] = tok
-    out_logprobs[out_row, out_col] = lp
+    out_col = st.done.clamp(max=out.tokens.shape[1] - 1)
+    out.tokens[out_row, out_col] = tok
+    out.logprobs[out_row, out_col] = lp
+    if sampling.keep_topk:
+        out.top_ids[out_row, out_col], out.top_logprobs[out_row, out_col] = sampling.top(logits)
     st.done += 1
-    out_lengths[out_row] = st.done
+    out.lengths[out_row] = st.done
     st.alive &= (tok != sampling.eos_id) & (st.done < st.budget)
     st.token.copy_(tok)
     st.position += 1
@@ -461,16 +509,14 @@ def decode_step(
 
 
 @torch.no_grad()
-def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineOptions):
+def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineOptions) -> Outputs:
     """Continue every sample of `ctx` until EOS or its budget, at most options.max_batch_rows at once.
-    Returns (tokens [N, R] int64, logprobs [N, R] fp32, lengths [N] int64), R = max budget; entries past a
-    sample's length are unspecified."""
+    Returns (its `Outputs`, the number of decode steps). R = the largest budget; entries past a sample's
+    length are unspecified."""
     n = ctx.row.shape[0]
     device = decoder.device
     longest = int(ctx.budget.max())
-    out_tokens = torch.zeros((n + 1, longest), dtype=torch.long, device=device)
-    out_logprobs = torch.zeros((n + 1, longest), dtype=torch.float32, device=device)
-    out_lengths = torch.zeros(n + 1, dtype=torch.long, device=device)
+    out = Outputs.empty(n, longest, sampling.keep_topk, device)
     slots = min(options.max_batch_rows, n)
     st = Slots(decoder, ctx, slots, ctx.visible.shape[1] + longest, options.kv_cache_dtype)
     sync_every = options.sync_every or (8 if device.type == "cuda" else 1)
@@ -478,12 +524,18 @@ def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineO
     waiting = deque(range(n))
     first = [waiting.popleft() for _ in range(slots)]
     st.admit(torch.arange(slots, device=device), torch.tensor(first, device=device), ctx, n)
-    since_sync = 0
+    since_sync = steps = 0
     while True:
-        width = min(st.context_width + max(st.steps_host) + 1, st.cache.columns)
-        step(decoder, st, out_tokens, out_logprobs, out_lengths, sampling, width)
+        # eager: attend over the columns in use only; compiled: one fixed shape (no recompilation per width)
+        width = (
+            st.cache.columns
+            if step is not decode_step
+            else min(st.context_width + max(st.steps_host) + 1, st.cache.columns)
+        )
+        step(decoder, st, out, sampling, width)
         st.steps_host = [s + 1 for s in st.steps_host]
         since_sync += 1
+        steps += 1
         if since_sync < sync_every:
             continue
         since_sync = 0
@@ -499,7 +551,7 @@ def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineO
                 break
             if live <= len(alive) // 2:
                 st.select_(torch.tensor([s for s, a in enumerate(alive) if a], device=device))
-    return out_tokens[:n], out_logprobs[:n], out_lengths[:n]
+    return out.without_spare(), steps
 
 
 def _compiled_step(options: EngineOptions, device):
@@ -533,34 +585,104 @@ def check_sample_ids(sample_ids, batch: int, device) -> torch.Tensor:
     return sample_ids.to(device)
 
 
-def first_tokens(
-    decoder: Decoder, hidden: torch.Tensor, rows: torch.Tensor, seeds, counter, sampling, chunk: int
-):
+def first_tokens(decoder: Decoder, hidden: torch.Tensor, rows: torch.Tensor, seeds, counter, sampling, chunk):
     """Sample each row's first token from hidden[rows[i]] (the LM head on at most `chunk` rows at once).
-    Returns (tokens [N] int64, logprobs [N] fp32)."""
-    toks, lps = [], []
+    Returns (tokens [N] int64, logprobs [N] fp32, top: (ids, logprobs) [N, K] or None)."""
+    toks, lps, tops = [], [], []
     for start in range(0, rows.shape[0], chunk):
         part = slice(start, start + chunk)
-        tok, lp = sampling.draw(decoder.logits(hidden[rows[part]]), seeds[part], counter[part])
+        logits = decoder.logits(hidden[rows[part]])
+        tok, lp = sampling.draw(logits, seeds[part], counter[part])
         toks.append(tok)
         lps.append(lp)
-    return torch.cat(toks), torch.cat(lps)
+        if sampling.keep_topk:
+            tops.append(sampling.top(logits))
+    top = (torch.cat([t[0] for t in tops]), torch.cat([t[1] for t in tops])) if tops else None
+    return torch.cat(toks), torch.cat(lps), top
 
 
-def assemble(first_tok, first_lp, tokens, logprobs, lengths, pad_id: int):
-    """Responses [N, 1 + R] = first token, then the decoded continuation (lengths [N], 0 for rows that ended
-    at the first token). Returns (response_ids, response_mask, logprobs) trimmed to the longest response."""
-    ids = torch.cat([first_tok[:, None], tokens], dim=1)
-    lps = torch.cat([first_lp[:, None], logprobs], dim=1)
-    total = lengths + 1
+def continue_after_first(
+    decoder: Decoder, ctx: Contexts, first_lp, first_top, sampling: Sampling, options: EngineOptions, pad_id
+):
+    """Responses = each sample's first token (ctx.token, already drawn, log-prob first_lp [N], top-k
+    first_top or None) followed by its decoded continuation (samples whose first token is EOS or whose
+    budget is 0 stop there). Returns (response_ids [N, W] int64, response_mask [N, W] bool, logprobs [N, W]
+    fp32, top: (ids, logprobs) [N, W, K] or None, decode steps run), W = the longest response."""
+    n, device = ctx.token.shape[0], decoder.device
+    rows = ((ctx.token != sampling.eos_id) & (ctx.budget > 0)).nonzero().squeeze(-1)
+    full = Outputs.empty(n, max(int(ctx.budget.max()), 1), sampling.keep_topk, device).without_spare()
+    steps = 0
+    if rows.numel():
+        out, steps = decode(decoder, ctx.subset(rows), sampling, options)
+        width = out.tokens.shape[1]
+        for name, value in out.__dict__.items():
+            if value is not None:
+                target = getattr(full, name)
+                if value.dim() == 1:
+                    target[rows] = value
+                else:
+                    target[rows, :width] = value
+    total = full.lengths + 1
     width = int(total.max())
-    mask = torch.arange(width, device=ids.device)[None, :] < total[:, None]
-    ids = ids[:, :width].masked_fill(~mask, pad_id)
-    lps = lps[:, :width].masked_fill(~mask, 0.0)
-    return ids, mask, lps
+    mask = torch.arange(width, device=device)[None, :] < total[:, None]
+
+    def splice(first, rest, fill):
+        joined = torch.cat([first[:, None], rest], dim=1)[:, :width]
+        return joined.masked_fill(~mask.view(*mask.shape, *([1] * (joined.dim() - 2))), fill)
+
+    ids = splice(ctx.token, full.tokens, pad_id)
+    lps = splice(first_lp, full.logprobs, 0.0)
+    top = None
+    if sampling.keep_topk:
+        top = (splice(first_top[0], full.top_ids, 0), splice(first_top[1], full.top_logprobs, float("-inf")))
+    return ids, mask, lps, top, steps
 
 
 @torch.no_grad()
+def generate_rows(
+    model,
+    prompts: list[list[int]],
+    seeds: torch.Tensor,
+    first_counter: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> Rollout:
+    """`generate` with explicit per-row sampling seeds [B] int64 and the sampling counter of each row's
+    first response token first_counter [B] int64 (0 in `generate`; speculative reuse resumes a response at
+    its first rejected position)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_sampling_settings(temperature, top_k, top_p)
+    options = engine_options(model)
+    decoder = decoder_for(model)
+    device = decoder.device
+    p_ids, p_mask, row_of = distinct_prompts(prompts, pad_id, device)
+    sampling = Sampling(float(temperature), int(top_k), float(top_p), eos_id)
+    distinct = [p[m].tolist() for p, m in zip(p_ids, p_mask)]
+    cache, lengths, last_hidden = prefill(decoder, distinct, options.max_batch_rows, options.kv_cache_dtype)
+    first_tok, first_lp, _ = first_tokens(
+        decoder, last_hidden, row_of, seeds, first_counter, sampling, options.max_batch_rows
+    )
+    col = torch.arange(cache.columns, device=device)
+    ctx = Contexts(
+        cache=cache,
+        row=row_of,
+        visible=col[None, :] < lengths[row_of, None],
+        position=lengths[row_of],
+        token=first_tok,
+        counter=first_counter + 1,
+        budget=torch.full_like(row_of, max_new_tokens - 1),
+        seed=seeds,
+    )
+    ids, mask, lps, _, _ = continue_after_first(decoder, ctx, first_lp, None, sampling, options, pad_id)
+    return Rollout(p_ids[row_of], p_mask[row_of], ids, mask, lps)
+
+
 def generate(
     model,
     prompts: list[list[int]],
@@ -581,43 +703,18 @@ def generate(
     seed is drawn from `generator` per call; sample_ids [B] int64 (default arange(B)) key each row's random
     numbers, so a row's sample does not depend on the batch it runs in. temperature 0 is greedy (log-prob 0).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    check_sampling_settings(temperature, top_k, top_p)
-    options = engine_options(model)
-    decoder = decoder_for(model)
-    device = decoder.device
-    p_ids, p_mask, row_of = distinct_prompts(prompts, pad_id, device)
+    device = decoder_for(model).device
     ids = check_sample_ids(sample_ids, len(prompts), device)
     seeds = sample_seeds(draw_step_seed(generator), ids)
-    sampling = Sampling(float(temperature), int(top_k), float(top_p), eos_id)
-    distinct = [p[m].tolist() for p, m in zip(p_ids, p_mask)]
-    cache, lengths, last_hidden = prefill(decoder, distinct, options.max_batch_rows, options.kv_cache_dtype)
-    zeros = torch.zeros(len(prompts), dtype=torch.long, device=device)
-    first_tok, first_lp = first_tokens(
-        decoder, last_hidden, row_of, seeds, zeros, sampling, options.max_batch_rows
+    return generate_rows(
+        model,
+        prompts,
+        seeds,
+        torch.zeros_like(seeds),
+        max_new_tokens=max_new_tokens,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
     )
-    more = (first_tok != eos_id) & (max_new_tokens > 1)
-    rows = more.nonzero().squeeze(-1)
-    tokens = torch.zeros((len(prompts), max(max_new_tokens - 1, 1)), dtype=torch.long, device=device)
-    logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=device)
-    decoded = torch.zeros(len(prompts), dtype=torch.long, device=device)
-    if rows.numel():
-        col = torch.arange(cache.columns, device=device)
-        u = row_of[rows]
-        ctx = Contexts(
-            cache=cache,
-            row=u,
-            visible=col[None, :] < lengths[u, None],
-            position=lengths[u],
-            token=first_tok[rows],
-            counter=torch.ones_like(u),
-            budget=torch.full_like(u, max_new_tokens - 1),
-            seed=seeds[rows],
-        )
-        t, lp, n = decode(decoder, ctx, sampling, options)
-        tokens[rows, : t.shape[1]], logprobs[rows, : t.shape[1]], decoded[rows] = t, lp, n
-    response_ids, response_mask, response_lp = assemble(
-        first_tok, first_lp, tokens, logprobs, decoded, pad_id
-    )
-    return Rollout(p_ids[row_of], p_mask[row_of], response_ids, response_mask, response_lp)

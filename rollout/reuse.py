@@ -44,10 +44,19 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from bitrl.rollout.engine import Rollout, check_cache_filled, decode_step, distinct_prompts, with_cache
-from bitrl.rollout.sampling import filtered_logprobs
+from bitrl.kernels.fused_logprobs import default_chunk_size
+from bitrl.kernels.sampling import draw_step_seed, filter_logits, fused_sample, sample_seeds
+from bitrl.rollout.engine import (
+    Contexts,
+    Rollout,
+    Sampling,
+    check_sample_ids,
+    continue_after_first,
+    decoder_for,
+    distinct_prompts,
+    engine_options,
+)
 
 MODES = ("spec-rl", "exact")
 
@@ -426,21 +435,37 @@ class DraftTree:
         return mask | on_path[:, :width]
 
 
-def _as_attention_mask(allowed: torch.Tensor, model) -> torch.Tensor:
-    """A boolean [B, 1, Q, K] mask in the form the model's attention takes as-is: boolean for SDPA and
-    flex-style implementations, additive for eager attention. FlashAttention takes no such mask."""
-    impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
-    if "flash" in impl:
-        raise ValueError(
-            f"speculative reuse verifies drafts as a tree with a 4D attention mask, which "
-            f"attn_implementation={impl!r} cannot take; load the rollout model with 'sdpa' or 'eager'"
+def score_nodes(decoder, hidden: torch.Tensor, nodes: torch.Tensor, targets: torch.Tensor, sampling):
+    """Log-prob of targets[b, i] under the sampling distribution predicted by hidden[nodes[b, i]], and with
+    sampling.keep_topk = K > 0 that distribution's top-K, without a [B, D, V] tensor: the distinct nodes'
+    logits are formed a chunk at a time (as bitrl.kernels.fused_logprobs tiles them) and dropped.
+
+    hidden: [M, H] final hidden states; nodes, targets: [B, D] int64. Returns (logprobs [B, D] fp32, top:
+    (ids [B*D, K] int64, logprobs [B*D, K] fp32) or None)."""
+    flat_nodes, flat_targets = nodes.reshape(-1), targets.reshape(-1)
+    logprobs = torch.zeros(flat_nodes.shape, dtype=torch.float32, device=hidden.device)
+    k = sampling.keep_topk
+    top = None
+    if k:
+        top = (
+            torch.zeros((flat_nodes.numel(), k), dtype=torch.long, device=hidden.device),
+            torch.full((flat_nodes.numel(), k), float("-inf"), device=hidden.device),
         )
-    if impl == "eager":
-        dtype = next(model.parameters()).dtype
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min
-        )
-    return allowed
+    if flat_nodes.numel() == 0:
+        return logprobs.view(nodes.shape), top
+    unique, inverse = torch.unique(flat_nodes, return_inverse=True)
+    chunk = default_chunk_size(decoder.model.config.vocab_size, hidden.device)
+    for start in range(0, unique.numel(), chunk):
+        logits = decoder.logits(hidden[unique[start : start + chunk]])
+        z = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        logp = torch.log_softmax(z, dim=-1)
+        pick = ((inverse >= start) & (inverse < start + chunk)).nonzero().squeeze(-1)
+        local = inverse[pick] - start
+        logprobs[pick] = logp[local, flat_targets[pick]]
+        if k:
+            values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+            top[0][pick, : ids.shape[1]], top[1][pick, : ids.shape[1]] = ids[local], values[local]
+    return logprobs.view(nodes.shape), top
 
 
 @torch.no_grad()
@@ -459,6 +484,7 @@ def generate_with_drafts(
     mode: str = "spec-rl",
     keep_topk: int = 0,
     generator: torch.Generator | None = None,
+    sample_ids: torch.Tensor | None = None,
 ) -> tuple[Rollout, ReuseStats, list[Draft]]:
     """Verify each row's draft with the current policy, then generate past the first rejection.
 
@@ -483,8 +509,12 @@ def generate_with_drafts(
     if len(drafts) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(drafts)} drafts")
     t_start = time.perf_counter()
-    device = next(model.parameters()).device
+    options = engine_options(model)
+    decoder = decoder_for(model)
+    device = decoder.device
     batch = len(prompts)
+    keep_topk = min(keep_topk, decoder.model.config.vocab_size)
+    sampling = Sampling(float(temperature), int(top_k), float(top_p), eos_id, keep_topk)
 
     # ---- 1. verification: ONE forward over each distinct prompt followed by the prefix tree of its drafts
     draft_tokens = [(d.tokens[:max_new_tokens].tolist() if d is not None else []) for d in drafts]
@@ -493,38 +523,34 @@ def generate_with_drafts(
     p_ids, p_mask, prompt_rows = distinct_prompts(prompts, pad_id, device)
     distinct = [ids[mask].tolist() for ids, mask in zip(p_ids, p_mask)]
     tree = DraftTree.build(distinct, prompt_rows.tolist(), draft_tokens, pad_id, device, MAX_SEGMENT_COLUMNS)
-    cache = DynamicCache(config=model.config)
-    # The base model, then the LM head at the prediction columns only (prompt columns need no logits).
-    hidden = model.base_model(
-        input_ids=tree.ids,
-        attention_mask=_as_attention_mask(tree.attention(), model),
-        position_ids=tree.position,
-        **with_cache(model.base_model, cache),
-    ).last_hidden_state
-    check_cache_filled(cache, tree.ids.shape[1])
+    rows_t, columns = tree.ids.shape
+    cache = decoder.new_cache(rows_t, columns, options.kv_cache_dtype)
+    col_index = torch.arange(columns, device=device).expand(rows_t, -1)
+    hidden = decoder.hidden(tree.ids, tree.position, cache, col_index, tree.attention()[:, 0])
     predicting = hidden[tree.row[:, None], tree.prediction_columns()]  # [S, N+1, H]
-    # [S, N+1, V]: column 0 predicts a response's first token, column 1 + j the token after node j
-    node_logp = filtered_logprobs(model.get_output_embeddings()(predicting), temperature, top_k, top_p)
-    # [B, D+1]: the column of node_logp that predicts response position i of row b's draft
+    # [B, D+1]: the prediction column (within its segment) for response position i of row b's draft
     col = torch.cat([tree.path.new_zeros((batch, 1)), tree.path + 1], dim=1)
-
-    # ---- 2. acceptance
+    segment = tree.segment_of_row  # [B]
     drafted = torch.tensor(
         [t + [pad_id] * (width_d - len(t)) for t in draft_tokens], dtype=torch.long, device=device
     ).view(batch, width_d)
+    # log pi_new of each drafted token, and the top-k of each node's distribution, a chunk of nodes at a time
+    nodes = segment[:, None] * predicting.shape[1] + col[:, :width_d]  # [B, D] into the flattened nodes
+    new_lp_drafted, node_top = score_nodes(decoder, predicting.flatten(0, 1), nodes, drafted, sampling)
+
+    # ---- 2. acceptance
     old_lp = torch.nn.utils.rnn.pad_sequence(
         [d.logprobs[: len(t)].float() if t else torch.zeros(0) for t, d in zip(draft_tokens, drafts)],
         batch_first=True,
     ).to(device)
     old_lp = torch.cat([old_lp, old_lp.new_zeros(batch, width_d - old_lp.shape[1])], dim=1)
-    segment = tree.segment_of_row  # [B]
-    new_lp_drafted = node_logp[segment[:, None], col[:, :width_d], drafted]  # [B, D]
     if width_d > 0:
         gen_device = generator.device if generator is not None else device
         uniforms = torch.rand((batch, width_d), generator=generator, device=gen_device).to(device)
         _, accepted_len = acceptance(new_lp_drafted, old_lp, uniforms, n, lenience)
     else:
         accepted_len = torch.zeros(batch, dtype=torch.long, device=device)
+    seeds = sample_seeds(draw_step_seed(generator), check_sample_ids(sample_ids, batch, device))
     rejected = accepted_len < n
     finished = torch.tensor(
         [len(t) > 0 and (t[-1] == eos_id or len(t) >= max_new_tokens) for t in draft_tokens],
@@ -534,66 +560,60 @@ def generate_with_drafts(
     fully_reused = ~rejected & finished
     verify_time = time.perf_counter() - t_start
 
-    # ---- 3. resume the other rows at their first rejected (or first undrafted) position
+    # ---- 3. resume the other rows at their first rejected (or first undrafted) position, in the engine
     active = (~fully_reused).nonzero().squeeze(-1)
-    cont_tokens: list[torch.Tensor] = []
-    cont_lps: list[torch.Tensor] = []
-    cont_alive: list[torch.Tensor] = []
-    cont_top: list[tuple[torch.Tensor, torch.Tensor]] = []
+    steps_c = 1
+    cont_len = torch.zeros(batch, dtype=torch.long, device=device)
+    cont_tok = torch.full((batch, 1), pad_id, dtype=torch.long, device=device)
+    cont_lp = torch.zeros((batch, 1), dtype=torch.float32, device=device)
+    cont_top = None
     decode_steps = 0
     if len(active):
         a_acc = accepted_len[active]
         sel = segment[active]
-        # A resumed row attends to its prompt and the tree nodes of its accepted prefix, in a copy of its
-        # segment's packed row; the columns after the last one any resumed row needs are cropped.
+        # A resumed row attends to its prompt and the tree nodes of its accepted prefix, in its segment's
+        # packed row of the verification cache; the columns after the last one any resumed row needs go.
         prefix = torch.arange(width_d, device=device)[None, :] < a_acc[:, None]
         path = torch.where(prefix, tree.path[active], -1)
-        first = tree.first_node[sel]
-        kept = int((first + (path.max(dim=1).values + 1 if width_d else 0)).max())
-        if kept < tree.ids.shape[1]:
-            cache.crop(kept - tree.ids.shape[1])
-        rows = tree.row[sel]
-        if len(rows) != len(tree.ids) or not torch.equal(rows, torch.arange(len(rows), device=device)):
-            cache.batch_select_indices(rows)
-        attn = tree.resume_attention(sel, path, kept)
-        pos = tree.prompt_len[sel] + a_acc
-        # [A, V] the current policy at the resume position: what the returned log-probs are measured under;
-        # `logp` is what the token is drawn from (the residual at a rejected position in exact mode)
-        step_logp = logp = node_logp[sel, col[active, a_acc]]
+        kept = int((tree.first_node[sel] + (path.max(dim=1).values + 1 if width_d else 0)).max())
+        # the current policy at the resume position: what the returned log-probs are measured under, and
+        # (spec-rl, or a row whose draft simply ended) what the token is drawn from
+        resume_logits = decoder.logits(predicting[sel, col[active, a_acc]])
+        first_tok, first_lp = sampling.draw(resume_logits, seeds[active], a_acc)
         if mode == "exact" and bool(rejected[active].any()):
-            logp = _resample_rejected(logp, active, rejected, a_acc, drafts, lenience, device)
-        budget = max_new_tokens - a_acc
-        alive = torch.ones(len(active), dtype=torch.bool, device=device)
-        in_cache = torch.arange(len(active), device=device)  # the resumed rows the KV cache holds
-        while True:
-            # Every resumed row is sampled, finished ones too: the random stream does not depend on which
-            # rows still decode.
-            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-            tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
-            lp = step_logp.gather(-1, tok[:, None]).squeeze(-1)
-            cont_tokens.append(tok)
-            cont_lps.append(torch.where(alive, lp, torch.zeros_like(lp)))
-            cont_alive.append(alive.clone())
-            if keep_topk:
-                cont_top.append(_top(step_logp, keep_topk))
-            alive &= (tok != eos_id) & (len(cont_tokens) < budget)
-            if not alive.any():
-                break
-            in_cache, attn, pos, new_logits = decode_step(model, cache, in_cache, alive, tok, attn, pos)
-            decode_steps += 1
-            new_rows = filtered_logprobs(new_logits, temperature, top_k, top_p)
-            step_logp = logp = step_logp.index_copy(0, in_cache, new_rows)
+            step_logp = torch.log_softmax(filter_logits(resume_logits, temperature, top_k, top_p), dim=-1)
+            residual = _resample_rejected(step_logp, active, rejected, a_acc, drafts, lenience, device)
+            redrawn, _ = fused_sample(residual, seeds[active], a_acc, 1.0, 0, 1.0)
+            first_tok = torch.where(rejected[active], redrawn, first_tok)
+            first_lp = step_logp.gather(-1, first_tok[:, None]).squeeze(-1)
+        first_top = sampling.top(resume_logits) if keep_topk else None
+        ctx = Contexts(
+            cache=cache,
+            row=tree.row[sel],
+            visible=tree.resume_attention(sel, path, kept).bool(),
+            position=tree.prompt_len[sel] + a_acc,
+            token=first_tok,
+            counter=a_acc + 1,
+            budget=max_new_tokens - a_acc - 1,
+            seed=seeds[active],
+        )
+        ids, mask, lps, top, decode_steps = continue_after_first(
+            decoder, ctx, first_lp, first_top, sampling, options, pad_id
+        )
+        steps_c = ids.shape[1]
+        cont_tok = torch.full((batch, steps_c), pad_id, dtype=torch.long, device=device)
+        cont_lp = torch.zeros((batch, steps_c), dtype=torch.float32, device=device)
+        cont_len[active] = mask.sum(1)
+        cont_tok[active], cont_lp[active] = ids, lps
+        if keep_topk:
+            k = top[0].shape[-1]
+            cont_top = (
+                torch.zeros((batch, steps_c, k), dtype=torch.long, device=device),
+                torch.full((batch, steps_c, k), float("-inf"), device=device),
+            )
+            cont_top[0][active], cont_top[1][active] = top
 
     # ---- 4. assemble: accepted prefix + continuation, log-probs of the current policy everywhere
-    steps_c = max(1, len(cont_tokens))
-    cont_len = torch.zeros(batch, dtype=torch.long, device=device)
-    cont_tok = torch.full((batch, steps_c), pad_id, dtype=torch.long, device=device)
-    cont_lp = torch.zeros((batch, steps_c), dtype=torch.float32, device=device)
-    if cont_tokens:
-        alive_cols = torch.stack(cont_alive, 1)  # a contiguous prefix of True per row
-        cont_len[active] = alive_cols.sum(1)
-        cont_tok[active] = torch.stack(cont_tokens, 1)
-        cont_lp[active] = torch.stack(cont_lps, 1)
     total = accepted_len + cont_len
     width_r = int(total.max())
     cols_r = torch.arange(width_r, device=device)[None, :]
@@ -620,17 +640,15 @@ def generate_with_drafts(
     lengths = total.tolist()
     top_ids = top_lp = None
     if keep_topk:
-        node_ids, node_top = _top(node_logp, keep_topk)  # [S, N+1, K]
-        acc_ids = node_ids[segment[:, None], col[:, :width_d]]
-        acc_top = node_top[segment[:, None], col[:, :width_d]]
-        k = acc_ids.shape[-1]
-        c_ids = torch.zeros((batch, steps_c, k), dtype=torch.long, device=device)
-        c_top = torch.full((batch, steps_c, k), float("-inf"), device=device)
-        if cont_top:
-            c_ids[active] = torch.stack([t[0] for t in cont_top], 1)
-            c_top[active] = torch.stack([t[1] for t in cont_top], 1)
-        top_ids = splice(acc_ids, c_ids, 0).cpu()
-        top_lp = splice(acc_top, c_top, float("-inf")).cpu()
+        k = node_top[0].shape[-1]
+        acc_ids, acc_top = node_top[0].view(batch, width_d, k), node_top[1].view(batch, width_d, k)
+        if cont_top is None:
+            cont_top = (
+                acc_ids.new_zeros((batch, steps_c, k)),
+                acc_top.new_full((batch, steps_c, k), float("-inf")),
+            )
+        top_ids = splice(acc_ids, cont_top[0], 0).cpu()
+        top_lp = splice(acc_top, cont_top[1], float("-inf")).cpu()
     hashes = [prompt_fingerprint(p) for p in prompts]
     ids_cpu, lps_cpu = response_ids.cpu(), logprobs.cpu()
     new_drafts = [

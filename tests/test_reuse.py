@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import TINY_DEMO_MODEL
 
-from bitrl.rollout.engine import generate
+from bitrl.kernels.sampling import draw_step_seed, sample_seeds
+from bitrl.rollout.engine import generate, generate_rows
 from bitrl.rollout.reuse import (
     Draft,
     DraftTree,
@@ -98,11 +99,11 @@ M = 10
 
 @contextlib.contextmanager
 def recorded_forwards(model):
-    """The input_ids shapes of the base model's forwards while the block runs (every forward of the causal
-    LM goes through it)."""
+    """The input_ids shapes of the model's passes while the block runs (every pass of the rollout engine,
+    prefill, verification or decode step, starts at the token embedding)."""
     calls = []
-    hook = model.base_model.register_forward_pre_hook(
-        lambda _, args, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda _, args, out: calls.append(tuple(args[0].shape))
     )
     try:
         yield calls
@@ -154,12 +155,17 @@ def test_resume_from_rejection_equals_fresh_generation(tiny_qwen, top_k, top_p):
     finished = r0.response_ids[3, lengths[3] - 1] == 2 or lengths[3] == M
     assert bool(stats.fully_reused[3]) == bool(finished)
 
-    # The same random stream: the uniforms of the verification, then `generate` over the resumed rows.
+    # The same random numbers: after the verification's uniforms, one step seed; each resumed row b draws
+    # with its own seed (sample id b) from response position accepted[b] on, as a fresh generation from the
+    # prompt extended by the accepted prefix does with those seeds and counters.
     g = torch.Generator().manual_seed(11)
     torch.rand((len(PROMPTS), int(stats.draft_len.max())), generator=g)
     active = [b for b in range(len(PROMPTS)) if not stats.fully_reused[b]]
     extended = [PROMPTS[b] + r0.response_ids[b, : expected_acc[b]].tolist() for b in active]
-    fresh = generate(tiny_qwen, extended, generator=g, **sampling)
+    seeds = sample_seeds(draw_step_seed(g), torch.tensor(active))
+    fresh = generate_rows(
+        tiny_qwen, extended, seeds, torch.tensor([expected_acc[b] for b in active]), **sampling
+    )
     for i, b in enumerate(active):
         a = expected_acc[b]
         cont = fresh.response_ids[i][fresh.response_mask[i]].tolist()[: M - a]
@@ -277,11 +283,40 @@ def test_group_drafts_sharing_prefixes_are_scored_as_one_tree(tiny_qwen, attenti
     torch.testing.assert_close(out.logprobs[m], ref[m], atol=2e-5, rtol=1e-5)
 
 
-def test_tree_verification_refuses_flash_attention(tiny_qwen):
+def test_verification_scores_the_vocabulary_a_chunk_of_nodes_at_a_time(tiny_qwen, monkeypatch):
+    """Drafts are scored with the LM head on a few tree nodes at a time (never [rows, tokens, vocab]); the
+    results do not depend on the chunk size, and a FlashAttention setting does not matter (the engine runs
+    its own attention over the tree mask)."""
+    sampling = dict(max_new_tokens=M, eos_id=2, pad_id=0, top_k=6, top_p=0.9)
+    r0 = generate(tiny_qwen, PROMPTS, generator=torch.Generator().manual_seed(3), **sampling)
+    drafts = _forced_drafts(r0, [1, None, 0, 3, 2])
+
+    def run():
+        rows = []
+        hook = tiny_qwen.lm_head.register_forward_hook(lambda _, args, out: rows.append(args[0].shape[0]))
+        try:
+            out = generate_with_drafts(
+                tiny_qwen,
+                PROMPTS,
+                drafts,
+                mode="exact",
+                keep_topk=3,
+                generator=torch.Generator().manual_seed(4),
+                **sampling,
+            )
+        finally:
+            hook.remove()
+        return out, rows
+
+    (ref, _, ref_drafts), _ = run()
+    monkeypatch.setattr("bitrl.rollout.reuse.default_chunk_size", lambda *a, **k: 2)
     tiny_qwen.config._attn_implementation = "flash_attention_2"
-    draft = Draft(torch.tensor([5, 2]), torch.zeros(2))
-    with pytest.raises(ValueError, match="4D attention mask.*flash_attention_2"):
-        generate_with_drafts(tiny_qwen, PROMPTS[:1], [draft], max_new_tokens=4, eos_id=2, pad_id=0)
+    (out, _, new_drafts), rows = run()
+    assert max(rows[:3]) == 2  # the first LM-head calls score tree nodes, two at a time
+    assert torch.equal(out.response_ids, ref.response_ids)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-6, rtol=0)
+    for a, b in zip(new_drafts, ref_drafts):
+        assert torch.equal(a.top_ids, b.top_ids)
 
 
 def test_without_drafts_it_is_generate(tiny_qwen):

