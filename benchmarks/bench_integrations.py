@@ -241,8 +241,14 @@ def _compare(rows):
 # a real TRL GRPOTrainer, with and without bitrl
 # ----------------------------------------------------------------------------------------------------------
 
-TRAINER_MODEL = dict(vocab_size=32768, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2)
+TRAINER_MODEL = dict(
+    vocab_size=32768,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def trainer_child(spec: dict) -> dict:
@@ -257,19 +263,36 @@ def trainer_child(spec: dict) -> dict:
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, V)}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                  pad_token="<pad>", unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**spec["model"], pad_token_id=0, bos_token_id=1, eos_token_id=2))
     prompts = [" ".join(f"t{(7 * i + j) % (V - 4) + 4}" for j in range(spec["prompt_len"])) for i in range(8)]
     with tempfile.TemporaryDirectory() as out:
-        args = GRPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=8,
-                          max_completion_length=spec["completion_len"], max_steps=spec["steps"], logging_steps=1,
-                          report_to=[], use_cpu=True, save_strategy="no", seed=0, bf16=False, disable_tqdm=True,
-                          num_iterations=2, loss_type="grpo")
-        trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [len(c) / 100 for c in completions],
-                              args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
-                              processing_class=tok)
+        args = GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=8,
+            num_generations=8,
+            max_completion_length=spec["completion_len"],
+            max_steps=spec["steps"],
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            seed=0,
+            bf16=False,
+            disable_tqdm=True,
+            num_iterations=2,
+            loss_type="grpo",
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=lambda completions, **_: [len(c) / 100 for c in completions],
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            processing_class=tok,
+        )
         if spec["bitrl"]:
             from bitrl.integrations.trl import use_bitrl
 
@@ -280,30 +303,74 @@ def trainer_child(spec: dict) -> dict:
         trainer.train()
         peak = (_status_kib("VmHWM") - base) / 1024.0
     steps = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
-    return {"step_time_s": statistics.median(steps[1:] or steps), "peak_mib": peak,
-            "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+    return {
+        "step_time_s": statistics.median(steps[1:] or steps),
+        "peak_mib": peak,
+        "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+    }
 
 
 def trainer_rows(cap_gb, timeout, quick=False) -> list[dict]:
-    model = dict(TRAINER_MODEL, vocab_size=4096, hidden_size=64, intermediate_size=128) if quick else TRAINER_MODEL
+    model = (
+        dict(TRAINER_MODEL, vocab_size=4096, hidden_size=64, intermediate_size=128)
+        if quick
+        else TRAINER_MODEL
+    )
     spec = dict(model=model, prompt_len=32, completion_len=16 if quick else 64, steps=2 if quick else 4)
     rows = []
     for with_bitrl in (False, True):
         print(f"TRL GRPOTrainer, bitrl={with_bitrl} ...", flush=True)
         res = run_child(dict(spec, mode="trainer", bitrl=with_bitrl), cap_gb, timeout)
-        rows.append(dict(op="trl_grpo_trainer", variant="trl + bitrl" if with_bitrl else "trl", **spec, **res))
+        rows.append(
+            dict(op="trl_grpo_trainer", variant="trl + bitrl" if with_bitrl else "trl", **spec, **res)
+        )
         print("   ", rows[-1], flush=True)
     return rows
 
 
 def merge(rows: list[dict], path: Path = RESULTS):
-    key = lambda r: json.dumps({k: r.get(k) for k in ("op", "variant", "N", "V", "dtype", "model")}, sort_keys=True)
+    key = lambda r: json.dumps(
+        {k: r.get(k) for k in ("op", "variant", "N", "V", "dtype", "model")}, sort_keys=True
+    )
     old = json.loads(path.read_text())["rows"] if path.exists() else []
     merged = {key(r): r for r in old}
     merged.update({key(r): r for r in rows})
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{os.cpu_count()}-core CPU, shared", "torch": torch.__version__}
     path.write_text(json.dumps({"meta": meta, "rows": list(merged.values())}, indent=1) + "\n")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per (op, N, V, dtype): each variant's time and peak memory; bitrl against the best peer."""
+    groups: dict = {}
+    for r in rows:
+        if r.get("op") in OPS:
+            groups.setdefault((r["op"], r["N"], r["V"], r["dtype"]), {})[r["variant"]] = r
+
+    def cell(r):
+        if r is None:
+            return "–"
+        if "time_s" not in r or r.get("peak_mib") is None:
+            return r.get("status", "not measured")
+        return f"{r['time_s']:.1f} s, {r['peak_mib']:.0f} MiB"
+
+    lines = [
+        "| workload | N | V | dtype | bitrl | TRL kernel | Liger-Kernel | naive torch "
+        "| bitrl vs best peer: time, memory |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for (op, N, V, dtype), g in sorted(groups.items(), key=lambda kv: (OPS.index(kv[0][0]), kv[0][1:])):
+        ours = g.get("bitrl", {})
+        ratio = "–"
+        if "time_vs_best_peer" in ours:
+            ratio = f"{ours['time_vs_best_peer']:.2f}×, {ours.get('mem_vs_best_peer', float('nan')):.2f}×"
+        name = "log-prob + entropy" if op == "logprob_entropy" else "GRPO loss"
+        liger = g.get("liger") if op == "grpo_loss" else {"status": "no CPU op"}
+        lines.append(
+            f"| {name} | {N} | {V} | {dtype} | {cell(g.get('bitrl'))} | {cell(g.get('trl'))} | "
+            f"{cell(liger)} | {cell(g.get('naive'))} | {ratio} |"
+        )
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -318,12 +385,16 @@ def main(argv=None) -> int:
     p.add_argument("--mem-cap-gb", type=float, default=10.0)
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", type=Path, default=RESULTS)
+    p.add_argument("--table", action="store_true", help="print the README table from --json")
     p.add_argument("--_child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._child:
         limit_memory(args.mem_cap_gb)
         spec = json.loads(args._child)
         print(json.dumps(trainer_child(spec) if spec["mode"] == "trainer" else child(spec)))
+        return 0
+    if args.table:
+        print(markdown_table(json.loads(args.json.read_text())["rows"]))
         return 0
     if args.quick:
         rows = kernel_rows([(256, 2048)], ["fp32"], OPS, 1, args.mem_cap_gb, args.timeout)
@@ -334,7 +405,10 @@ def main(argv=None) -> int:
         for shape in args.shapes:
             for dtype in args.dtypes:
                 N, V = (int(v) for v in shape.split("x"))
-                merge(kernel_rows([(N, V)], [dtype], args.ops, args.reps, args.mem_cap_gb, args.timeout), args.json)
+                merge(
+                    kernel_rows([(N, V)], [dtype], args.ops, args.reps, args.mem_cap_gb, args.timeout),
+                    args.json,
+                )
     if args.trainer:
         merge(trainer_rows(args.mem_cap_gb, args.timeout), args.json)
     print(f"wrote {args.json}")
