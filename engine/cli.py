@@ -10,7 +10,11 @@ COMMANDS = {
     "bench": ("bitrl.kernels.bench", "main", "kernel microbenchmarks"),
     "mismatch": ("bitrl.engine.mismatch_cmd", "main", "rollout vs trainer log-prob mismatch diagnostics"),
     "quant-report": ("bitrl.quant.report", "main", "quantization error report per layer"),
-    "export": ("bitrl.engine.export", "main", "save a run's policy as a Hugging Face directory (LoRA merged)"),
+    "export": (
+        "bitrl.engine.export",
+        "main",
+        "save a run's policy as a Hugging Face directory (LoRA merged)",
+    ),
 }
 
 

@@ -1,5 +1,5 @@
 """A run killed with SIGKILL and resumed reaches the same metrics at the same step as an uninterrupted run,
-with and without speculative rollout reuse."""
+with and without speculative rollout reuse, and with LoRA adapters (checkpoints hold only the adapters)."""
 
 import json
 import os
@@ -11,7 +11,15 @@ import time
 import pytest
 from conftest import TINY_DEMO_MODEL
 
-TIMING = {"tokens_per_s", "rollout_time_s", "step_time_s", "reuse_verify_time_s", "reuse_rollout_time_s"}
+TIMING = {
+    "tokens_per_s",
+    "rollout_time_s",
+    "step_time_s",
+    "old_logprobs_time_s",
+    "update_time_s",
+    "reuse_verify_time_s",
+    "reuse_rollout_time_s",
+}
 TINY = [
     *TINY_DEMO_MODEL,
     "task.n_eval=24",
@@ -38,6 +46,20 @@ REUSE = [
     "steps=24",
 ]
 
+# LoRA on a QeRL-style MXFP4 base, micro-batched, with gradient checkpointing: the base is rebuilt from the
+# warm start (cached) and quantized again on resume; the checkpoint holds the adapters and the optimizer.
+LORA = [
+    *TINY,
+    "model.lora.rank=4",
+    "model.lora.alpha=16",
+    "model.lora.base_precision=mxfp4",
+    "train.micro_batch_tokens=40",
+    "train.gradient_checkpointing=true",
+    "train.lr=1e-2",
+    "train.entropy_coef=0.05",
+    "steps=12",
+]
+
 
 def _bitrl(args, env):
     return subprocess.Popen(
@@ -56,7 +78,7 @@ def _records(path):
     ]
 
 
-@pytest.mark.parametrize("overrides", [PLAIN, REUSE], ids=["plain", "reuse"])
+@pytest.mark.parametrize("overrides", [PLAIN, REUSE, LORA], ids=["plain", "reuse", "lora"])
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, overrides):
     steps = int(next(o for o in overrides if o.startswith("steps=")).split("=")[1])
     env = dict(os.environ, BITRL_CACHE=str(tmp_path / "cache"))
@@ -84,6 +106,13 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, overrides):
     assert [r["step"] for r in b] == list(range(0, steps + 1))  # no step lost, none duplicated
     assert a == b
     assert (tmp_path / "killed" / "report.png").stat().st_size > 0
+    if overrides is LORA:
+        import torch
+
+        saved = torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["policy"]
+        assert saved and all("lora_" in name for name in saved)
+        assert len({r["trainable_params"] for r in a[1:]}) == 1
+        assert a[-1]["entropy"] != a[1]["entropy"]  # the adapters moved the policy
     if overrides is REUSE:
         later = [r for r in a if r["step"] > 2]  # from the second epoch on, every prompt has a draft
         assert all(r["reuse_hit_rate"] == 1.0 for r in later)

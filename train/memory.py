@@ -9,8 +9,8 @@ the prompt groups).
 Activations are counted from what autograd keeps for one Llama/Qwen2 decoder layer (per token, in elements):
 two RMSNorms (input and normalised output, kept in fp32 by the Hugging Face implementation), q/k/v and their
 rotary outputs, the attention output and its log-sum-exp (SDPA keeps no [T, T] matrix), and the SwiGLU's
-gate, activation, up and product. With gradient checkpointing only each layer's input is kept, plus one layer's
-activations while it is recomputed.
+gate, activation, up and product. With gradient checkpointing only each layer's input is kept, plus one
+layer's activations while it is recomputed.
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ QUANT_BYTES = {"fp8": 1.0, "mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32, "nvfp4": 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The fused log-prob/loss op materialises the LM head's logits one chunk at a time (kernels default).
 LOSS_CHUNK_BYTES = {"cpu": 128 * 2**20, "cuda": 1 * GiB}
+
+
+def _targets(targets) -> list[str]:
+    """The decoder-layer linears that model.lora.target_modules adapts."""
+    return list(LINEAR_NAMES) if targets == "all-linear" else [n for n in LINEAR_NAMES if n in set(targets)]
 
 
 @dataclass
@@ -58,12 +63,18 @@ class ModelShape:
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=getattr(config, "model_type", "") == "qwen2" or bool(getattr(config, "attention_bias", 0)),
+            qkv_bias=getattr(config, "model_type", "") == "qwen2"
+            or bool(getattr(config, "attention_bias", 0)),
         )
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear layer of one decoder layer."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        h, q, kv, i = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.intermediate,
+        )
         return {
             "q_proj": (h, q),
             "k_proj": (h, kv),
@@ -86,9 +97,12 @@ class ModelShape:
         return embed + self.linear_params + self.layers * (2 * self.hidden + bias) + self.hidden
 
     def lora_params(self, rank: int, targets) -> int:
-        names = LINEAR_NAMES if targets == "all-linear" else [n for n in LINEAR_NAMES if n in set(targets)]
         shapes = self.linear_shapes()
-        return self.layers * sum(rank * (shapes[n][0] + shapes[n][1]) for n in names)
+        return self.layers * sum(rank * (shapes[n][0] + shapes[n][1]) for n in _targets(targets))
+
+    def adapter_input_elems(self, targets) -> int:
+        """Per token and layer: the input widths of the LoRA-adapted modules."""
+        return sum(self.linear_shapes()[n][0] for n in _targets(targets))
 
     def layer_activation_elems(self) -> tuple[int, int]:
         """(elements kept in the compute dtype, elements kept in fp32) per token for one decoder layer."""
@@ -123,7 +137,8 @@ class MemoryPlan:
         return (
             f"memory plan: {_size(self.total)}{ranks} of {_size(self.device_bytes)} {self.device_name} "
             f"({100 * self.fraction:.1f}%) = {parts}; activations per micro-batch without checkpointing "
-            f"{_size(self.parts['_activations_plain'])}, with {_size(self.parts['_activations_checkpointed'])}"
+            f"{_size(self.parts['_activations_plain'])}, "
+            f"with {_size(self.parts['_activations_checkpointed'])}"
         )
 
     def refusal(self) -> str | None:
@@ -161,8 +176,10 @@ def plan_memory(
     lora, train, rollout = cfg.model.lora, cfg.train, cfg.rollout
     model_bytes = DTYPE_BYTES[cfg.model.dtype]
     master_bytes = 4 if train.master_weights == "fp32" else model_bytes
-    half_compute = model_bytes == 2 or train.autocast in ("bf16", "fp16") or (
-        train.autocast == "auto" and device_type == "cuda"
+    half_compute = (
+        model_bytes == 2
+        or train.autocast in ("bf16", "fp16")
+        or (train.autocast == "auto" and device_type == "cuda")
     )
     compute_bytes = 2 if half_compute else 4
 
@@ -185,7 +202,9 @@ def plan_memory(
         "optimizer": 2 * trainable * master_bytes * shard,  # AdamW: first and second moments
     }
     # A forward under autocast keeps a half-precision copy of every fp32 weight it casts until the backward.
-    fp32_params = (trainable if master_bytes == 4 else 0) + (shape.params if lora.rank and model_bytes == 4 else 0)
+    fp32_params = (trainable if master_bytes == 4 else 0) + (
+        shape.params if lora.rank and model_bytes == 4 else 0
+    )
     if compute_bytes == 2 and fp32_params:
         parts["autocast_weights"] = fp32_params * compute_bytes
 
@@ -213,9 +232,19 @@ def plan_memory(
     if train.micro_batch_tokens:
         tokens = min(tokens, max(train.micro_batch_tokens // seq, 1) * seq)
     compute, fp32 = shape.layer_activation_elems()
+    if lora.rank and compute_bytes < master_bytes:
+        # fp32 adapters under a half-precision forward: each adapted module keeps a half copy of its input
+        compute += shape.adapter_input_elems(lora.target_modules)
     per_layer = tokens * (compute * compute_bytes + fp32 * 4)
     residual = tokens * shape.hidden * 4  # each layer's input (the residual stream stays fp32 in HF models)
     head = min(tokens * shape.vocab * 4, LOSS_CHUNK_BYTES.get(device_type, GiB)) + tokens * shape.hidden * 8
+    # The fused LM-head op also holds [V, H] fp32 buffers: the weight's gradient when the head trains, and on
+    # a CPU its fp32 matmul operand (after a cast to the compute dtype when the head weight is fp32).
+    head_matrix = shape.vocab * shape.hidden
+    head_fp32 = model_bytes == 4 or (not lora.rank and master_bytes == 4)
+    head += 0 if lora.rank else head_matrix * 4
+    if device_type == "cpu" and compute_bytes == 2:
+        head += head_matrix * (4 + (2 if head_fp32 else 0))
     plain = shape.layers * (per_layer + residual) + head
     checkpointed = shape.layers * residual + per_layer + head
     parts["activations"] = checkpointed if train.gradient_checkpointing else plain

@@ -1,0 +1,242 @@
+"""The trainer at real sizes: micro-batching, gradient checkpointing, master weights, LoRA, rollout copy."""
+
+import copy
+
+import pytest
+import torch
+from conftest import make_qwen
+
+from bitrl.engine.config import load_config
+from bitrl.rollout.engine import Rollout, generate
+from bitrl.rollout.precision import make_rollout_model, sync_rollout_model_
+from bitrl.train.logprobs import token_logprobs
+from bitrl.train.lora import apply_lora, lora_layers
+from bitrl.train.trainer import PolicyTrainer, micro_batches
+
+TINY = dict(
+    vocab_size=16,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls: one thread avoids thread hand-off costs on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train_cfg(*overrides):
+    return load_config(overrides=["train.lr=1e-2", *overrides]).train
+
+
+def lora_cfg(*overrides):
+    return load_config(overrides=["model.lora.rank=4", "model.lora.alpha=8", *overrides]).model.lora
+
+
+def sample(model, seed=0, rows=8) -> Rollout:
+    """Responses of varied lengths to prompts of varied lengths, with rollout log-probs that differ from the
+    trainer's (so that rollout corrections have something to correct)."""
+    prompts = [[1, 5, 6], [1, 7], [1, 8, 9, 10], [1, 11, 12]] * (rows // 4)
+    gen = torch.Generator().manual_seed(seed)
+    rollout = generate(model, prompts, max_new_tokens=6, eos_id=2, pad_id=0, generator=gen)
+    noise = 0.3 * torch.randn(rollout.logprobs.shape, generator=gen)
+    rollout.logprobs = (rollout.logprobs + noise) * rollout.response_mask
+    assert rollout.response_mask.sum(-1).unique().numel() > 1  # lengths really vary
+    return rollout
+
+
+def grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def accumulated_gradient(model, cfg, rollout, advantages):
+    trainer = PolicyTrainer(model, cfg)
+    trainer.policy.train()
+    old = trainer.old_logprobs(rollout)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    loss, _ = trainer.backward(rollout, old, advantages)
+    return loss, grads(model), old
+
+
+def relative_error(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_micro_batches_split_by_token_budget():
+    rows = torch.arange(10)
+    assert [len(r) for r in micro_batches(rows, 8, 0)] == [10]
+    assert [len(r) for r in micro_batches(rows, 8, 24)] == [3, 3, 3, 1]
+    assert [len(r) for r in micro_batches(rows, 8, 5)] == [1] * 10  # a row longer than the budget: alone
+
+
+@pytest.mark.parametrize(
+    "aggregation,correction,args",
+    [
+        ("token-mean", "none", {}),
+        ("seq-mean-token-mean", "tis-token", {}),
+        ("dr_grpo", "mask-seq", {"correction_low": 0.5, "correction_high": 2.0}),
+        ("token-mean", "ais", {}),
+    ],
+)
+def test_micro_batching_gives_the_one_batch_update(aggregation, correction, args):
+    """Gradient accumulation over micro-batches equals the one-batch gradient (fp32, 1e-6 relative), also
+    with batch-level corrections (AIS) and corrections that mask whole sequences."""
+    rollout = sample(make_qwen(**TINY))
+    advantages = torch.linspace(-1.5, 1.5, 8)
+    common = [f"train.aggregation={aggregation}", f"train.correction={correction}", "train.autocast=none"]
+    common.append(f"train.correction_args={__import__('json').dumps(args)}")
+    results = {}
+    for budget in (0, 10, 25):
+        model = make_qwen(**TINY)
+        results[budget] = accumulated_gradient(
+            model, train_cfg(*common, f"train.micro_batch_tokens={budget}"), rollout, advantages
+        )
+    loss, grad, old = results[0]
+    assert grad.norm() > 0
+    for budget in (10, 25):
+        loss_m, grad_m, old_m = results[budget]
+        torch.testing.assert_close(old_m, old, rtol=1e-6, atol=1e-6)  # the old-log-prob pass, micro-batched
+        assert abs(loss_m - loss) <= 1e-6 * max(abs(loss), 1e-6)
+        assert relative_error(grad_m, grad) < 1e-6, budget
+
+
+def test_micro_batched_step_matches_one_batch_step():
+    """A whole trainer step (two updates, two minibatches) leaves the same weights either way."""
+    rollout, advantages = sample(make_qwen(**TINY)), torch.linspace(-1, 1, 8)
+    weights = []
+    for budget in (0, 9):
+        model = make_qwen(**TINY)
+        cfg = train_cfg("train.minibatches=2", f"train.micro_batch_tokens={budget}", "train.lr=1e-3")
+        PolicyTrainer(model, cfg).step(rollout, advantages)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert relative_error(weights[1], weights[0]) < 1e-6
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    rollout, advantages = sample(make_qwen(**TINY)), torch.linspace(-1, 1, 8)
+    plain = accumulated_gradient(make_qwen(**TINY), train_cfg(), rollout, advantages)
+    model = make_qwen(**TINY)
+    checkpointed = accumulated_gradient(
+        model, train_cfg("train.gradient_checkpointing=true"), rollout, advantages
+    )
+    assert model.model.gradient_checkpointing  # the switch reached the decoder
+    assert relative_error(checkpointed[1], plain[1]) < 1e-6
+
+
+def test_bf16_model_keeps_fp32_master_weights_and_runs_under_autocast():
+    model = make_qwen(**TINY).to(torch.bfloat16)
+    trainer = PolicyTrainer(model, train_cfg())
+    assert trainer.autocast == "bf16"  # on the CPU too: the weights were loaded in bf16
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    trainer.step(sample(make_qwen(**TINY)), torch.linspace(-1, 1, 8))
+    states = [s for st in trainer.optimizer.state.values() for s in st.values() if s.dim()]
+    assert states and all(s.dtype == torch.float32 for s in states)
+
+    plain = make_qwen(**TINY).to(torch.bfloat16)
+    PolicyTrainer(plain, train_cfg("train.master_weights=model")).step(
+        sample(make_qwen(**TINY)), torch.linspace(-1, 1, 8)
+    )
+    assert all(p.dtype == torch.bfloat16 for p in plain.parameters())
+
+
+def test_lora_gradients_reach_only_adapters_and_the_base_stays_put():
+    model = apply_lora(make_qwen(**TINY), lora_cfg())
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    trainer = PolicyTrainer(model, train_cfg())
+    assert {id(p) for p in trainer.optimizer.param_groups[0]["params"]} == {
+        id(p) for n, p in model.named_parameters() if "lora_" in n
+    }
+    rollout, advantages = sample(make_qwen(**TINY)), torch.linspace(-1, 1, 8)
+    trainer.policy.train()
+    trainer.backward(rollout, trainer.old_logprobs(rollout), advantages)
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert with_grad and all("lora_" in n for n in with_grad)
+    assert all(model.get_parameter(n).grad.abs().sum() > 0 for n in with_grad if "lora_B" in n)
+    trainer.step(rollout, advantages)
+    for n, p in model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base[n]), n
+    assert trainer.trainable_parameters == sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_lora_rollout_copy_gets_the_merged_weights():
+    model = apply_lora(make_qwen(**TINY), lora_cfg('model.lora.target_modules=["q_proj","down_proj"]'))
+    assert {n.rsplit(".", 1)[1] for n in lora_layers(model)} == {"q_proj", "down_proj"}
+    trainer = PolicyTrainer(model, train_cfg())
+    rollout_model = make_rollout_model(model, "full")
+    assert not lora_layers(rollout_model)  # a plain model: what an inference engine takes
+    rollout = sample(make_qwen(**TINY))
+    trainer.step(rollout, torch.linspace(-1, 1, 8))
+    stats = sync_rollout_model_(rollout_model, model, "full")
+    assert stats["merged"] == 4  # 2 layers x 2 adapted modules
+    with torch.no_grad():
+        torch.testing.assert_close(
+            token_logprobs(rollout_model, rollout)[0], token_logprobs(model, rollout)[0], rtol=0, atol=1e-5
+        )
+
+    quantized = make_rollout_model(model, "nvfp4")
+    trainer.step(rollout, torch.linspace(1, -1, 8))
+    assert sync_rollout_model_(quantized, model, "nvfp4")["requantized"] == 4
+    layer = lora_layers(model)["model.layers.0.self_attn.q_proj"]
+    merged = layer.base_layer.weight + layer.get_delta_weight("default")
+    from bitrl.quant import quantize
+
+    assert torch.equal(
+        quantized.model.layers[0].self_attn.q_proj.qdata, quantize(merged.detach(), "nvfp4").data
+    )
+
+
+@pytest.mark.parametrize("base_precision", ["fp8", "mxfp4", "nvfp4"])
+def test_qerl_base_is_bit_identical_in_trainer_and_rollout(base_precision):
+    model = apply_lora(
+        make_qwen(**TINY).to(torch.bfloat16), lora_cfg(f"model.lora.base_precision={base_precision}")
+    )
+    trainer = PolicyTrainer(model, train_cfg())
+    rollout_model = make_rollout_model(model, "full")
+    for name, layer in lora_layers(model).items():
+        twin = rollout_model.get_submodule(name)
+        assert twin is not layer and twin.base_layer is layer.base_layer  # stored once, shared
+        assert torch.equal(
+            twin.base_layer.dequantized_weight(torch.bfloat16),
+            layer.base_layer.dequantized_weight(torch.bfloat16),
+        )
+    rollout = sample(make_qwen(**TINY))
+    trainer.step(rollout, torch.linspace(-1, 1, 8))
+    assert sync_rollout_model_(rollout_model, model, "full")["copied"] == len(trainer.trainable)
+    with torch.no_grad():  # same base bits, same adapters: the same log-probs, bit for bit
+        assert torch.equal(token_logprobs(rollout_model, rollout)[0], token_logprobs(model, rollout)[0])
+    with pytest.raises(ValueError, match="shares the trainer's"):
+        make_rollout_model(model, "bf16")
+
+
+def test_lora_config_errors_are_clear():
+    from bitrl.engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="base_precision needs LoRA"):
+        load_config(overrides=["model.lora.base_precision=nvfp4"])
+    with pytest.raises(ValueError, match="model.lora.target_modules"):
+        apply_lora(make_qwen(**TINY), lora_cfg('model.lora.target_modules=["nope"]'))
+
+
+def test_checkpoint_state_of_a_lora_policy_is_the_adapters_only():
+    from bitrl.train.checkpoint import load_policy_state, policy_state
+
+    model = apply_lora(make_qwen(**TINY), lora_cfg())
+    state = policy_state(model)
+    assert state and all("lora_" in n for n in state)
+    other = apply_lora(make_qwen(**TINY), lora_cfg())
+    load_policy_state(other, copy.deepcopy(state))
+    assert all(torch.equal(other.get_parameter(n), t) for n, t in state.items())
+    with pytest.raises(ValueError, match="does not match the policy"):
+        load_policy_state(other, {})
