@@ -189,7 +189,7 @@ class TrainConfig(Section):
     # 0: one micro-batch per minibatch.
     micro_batch_tokens: int = Field(0, ge=0)
     # Data-parallel training under torchrun (`bitrl train --nproc N`): how the policy is sharded, and FSDP2's
-    # mixed precision ("auto": bf16 parameters with fp32 gradient reduction on GPUs, the weights' dtype on CPUs).
+    # mixed precision ("auto": bf16 parameters, fp32 gradient reduction on GPUs; the weights' dtype on CPUs).
     distributed: Literal["fsdp2"] = "fsdp2"
     fsdp_mixed_precision: Literal["auto", "none", "bf16"] = "auto"
 

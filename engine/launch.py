@@ -1,7 +1,7 @@
 """`bitrl train --nproc N`: N local ranks under torchrun, each running `python -m bitrl train ...`.
 
-Plain `torchrun --nproc-per-node N -m bitrl train ...` is the same thing started by hand; either way every rank
-finds its place in torchrun's environment (bitrl.train.distributed.init_distributed).
+Plain `torchrun --nproc-per-node N -m bitrl train ...` is the same thing started by hand; either way every
+rank finds its place in torchrun's environment (bitrl.train.distributed.init_distributed).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def torchrun_command(nproc: int, train_args: list[str]) -> list[str]:
 
 
 def without_nproc(train_args: list[str]) -> list[str]:
-    """train_args less `--nproc N` / `--nproc=N` (torchrun would take `--nproc` for one of its own options)."""
+    """train_args less `--nproc N` / `--nproc=N` (torchrun would take `--nproc` for an option of its own)."""
     out, skip = [], False
     for arg in train_args:
         if skip or arg.startswith("--nproc="):

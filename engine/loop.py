@@ -152,8 +152,14 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     rollout_model = make_rollout_model(policy, precision, cfg.rollout.act_quant, cfg.rollout.mx_scale_mode)
     trainer = PolicyTrainer(policy, cfg.train, temperature=cfg.rollout.temperature)
 
+    # Sharded, the policy is evaluated through its rollout copy where that holds the very same weights (full
+    # precision, no noise, no adapters to merge), else gathered whole for the evaluation on every rank.
+    same_weights = precision == "full" and not cfg.rollout.aqn_stages and not cfg.model.lora.rank
+
     def evaluate():
-        """Held-out accuracy of the policy (sharded: gathered for the evaluation, on every rank)."""
+        """Held-out accuracy of the policy."""
+        if ctx.enabled and same_weights:
+            return accuracy(rollout_model, tokenizer, task.eval_problems, cfg)
         with gathered(policy):
             return accuracy(policy, tokenizer, task.eval_problems, cfg)
 
