@@ -123,18 +123,24 @@ def file_digest(path: Path) -> str:
 
 
 def converted_gguf_dir(path: Path, dtype: str) -> Path:
+    """Where the conversion of `path` lives: keyed by the file's SHA-256, the dtype and the transformers
+    release that dequantized it (releases have converted the same file differently)."""
+    import transformers
+
     from bitrl.engine.warmstart import cache_root
 
-    return cache_root() / "gguf" / f"{file_digest(path)[:16]}-{dtype}"
+    return cache_root() / "gguf" / f"{file_digest(path)[:16]}-{dtype}-transformers{transformers.__version__}"
 
 
 def gguf_bpe_tokenizer(path: Path):
     """A fast tokenizer built from a GGUF file's byte-level BPE (tokenizer.ggml.model = gpt2), or None for
     other tokenizer kinds.
 
-    transformers converts these itself, but its 5.5-5.x releases wrap a llama-architecture file's BPE in
-    the sentencepiece-style Llama tokenizer: spaces become unknown tokens and the eos token is wrong, with no
-    error. Built here from the vocabulary and merges, the result is the same on every release.
+    transformers converts these itself, but 5.5 wraps a llama-architecture file's BPE in the
+    sentencepiece-style Llama tokenizer: spaces become unknown tokens and the eos token is wrong, with no
+    error. Built here from the vocabulary and merges, the result is the same on every release. Pre-tokenization
+    is GPT-2's byte-level regex (tokenizer.ggml.pre is not interpreted); on SmolLM2 the ids equal those of
+    transformers 5.24's own conversion.
     """
     from gguf import GGUFReader
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -171,7 +177,7 @@ def check_round_trip(tokenizer, path: Path) -> None:
 def convert_gguf(path: Path, dtype: str = "float32", log=print) -> Path:
     """Dequantize a GGUF file into a safetensors model directory with its tokenizer, once; returns it.
 
-    The directory lives in the cache under the file's SHA-256 and the dtype; it is written next to its final
+    The directory lives in the cache (see converted_gguf_dir); it is written next to its final
     place and renamed, so an interrupted conversion leaves nothing half-written behind.
     """
     target = converted_gguf_dir(path, dtype)
