@@ -66,9 +66,8 @@ def make_trainer(model_dir, tmp_path, loss_type="grpo", max_steps=2, **config):
     "loss_type, config",
     [
         ("grpo", {}),
-        ("dapo", {}),
         ("dr_grpo", {"beta": 0.1}),
-        ("cispo", {"epsilon_high": 5.0}),
+        ("cispo", {"epsilon_high": 5.0}),  # the same normaliser as dapo and vespo
         ("sapo", {}),
         ("luspo", {"importance_sampling_level": "sequence"}),
         ("bnpo", {"entropy_coef": 0.01}),
