@@ -1,6 +1,6 @@
 """Data-parallel scale-out on CPU (gloo): 1 rank against 2 on the same global batch, and memory per rank.
 
-    python benchmarks/bench_distributed.py curves [--steps 20] [--repeats 2]
+    python benchmarks/bench_distributed.py curves [--steps 20] [--repeats 2] [--set key=value ...]
     python benchmarks/bench_distributed.py memory [--world-sizes 1 2 4]
 
 `curves` trains the demo twice per repeat, on 1 rank (2 threads) and on 2 ranks (1 thread each), alternating,
@@ -55,7 +55,7 @@ def train(nproc: int, threads: int, out_dir: Path, name: str, extra: list[str]) 
 
 
 def curves(args) -> dict:
-    extra = [f"steps={args.steps}", f"eval_every={args.steps}", f"checkpoint_every={args.steps}"]
+    extra = [f"steps={args.steps}", f"eval_every={args.steps}", f"checkpoint_every={args.steps}", *args.set]
     runs = {1: [], 2: []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
@@ -69,6 +69,7 @@ def curves(args) -> dict:
         n: statistics.median(r["step_time_s"] for rec in runs[n] for r in rec[2:]) for n in runs
     }  # first step excluded (warm-up)
     return {
+        "overrides": args.set,
         "steps": args.steps,
         "repeats": args.repeats,
         "max_abs_gap": gaps,
@@ -159,6 +160,7 @@ def main(argv=None) -> int:
     c = sub.add_parser("curves")
     c.add_argument("--steps", type=int, default=20)
     c.add_argument("--repeats", type=int, default=2)
+    c.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     m = sub.add_parser("memory")
     m.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args(argv)
