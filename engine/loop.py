@@ -13,12 +13,18 @@ from tqdm import tqdm
 
 from bitrl.engine.config import Config, ConfigError
 from bitrl.engine.evaluate import accuracy, encode_prompts, score
-from bitrl.engine.models import build_demo_model, load_pretrained, resolve_model_source
+from bitrl.engine.models import (
+    build_demo_model,
+    load_pretrained,
+    load_tokenizer,
+    model_directory,
+    resolve_model_source,
+)
 from bitrl.engine.report import plot_metrics
 from bitrl.engine.tasks import REWARDS, ArithmeticTask, CharTokenizer, InputError, JsonlTask, WordsTask
 from bitrl.engine.warmstart import warm_start
 from bitrl.quant import AQN, AQNSchedule
-from bitrl.rollout.engine import generate
+from bitrl.rollout.engine import EngineOptions, generate, set_engine_options
 from bitrl.rollout.precision import make_rollout_model, sync_rollout_model_
 from bitrl.rollout.reuse import SpeculativeReuse, draw_prompt_pool, fixed_prompt_batch
 from bitrl.train.advantages import compute_advantages
@@ -47,31 +53,39 @@ from bitrl.train.memory import device_memory, plan_memory
 from bitrl.train.trainer import PolicyTrainer
 
 
-def build(cfg: Config, log=print):
-    """(policy, tokenizer, task) as the config describes them. The task's data and the model path are
-    checked before any weights load; bad input raises InputError with a one-line message."""
+def build_task(cfg: Config):
+    """The task as the config describes it; its data is checked (bad input raises InputError)."""
+    if not cfg.model.path and cfg.task.kind != "arithmetic":
+        raise InputError(
+            f"task.kind={cfg.task.kind}: the embedded demo model only speaks the arithmetic task; "
+            "set model.path"
+        )
     if cfg.task.kind == "jsonl":
-        task = JsonlTask(cfg.task.path, cfg.task.n_eval, cfg.seed)
-    else:
-        task_cls = WordsTask if cfg.task.kind == "words" else ArithmeticTask
-        task = task_cls(cfg.task.digits, cfg.task.n_eval, cfg.seed, cfg.task.ops)
+        return JsonlTask(cfg.task.path, cfg.task.n_eval, cfg.seed)
+    task_cls = WordsTask if cfg.task.kind == "words" else ArithmeticTask
+    return task_cls(cfg.task.digits, cfg.task.n_eval, cfg.seed, cfg.task.ops)
+
+
+def build_tokenizer(cfg: Config, log=print):
+    """The policy's tokenizer, without its weights (a GGUF model is converted first, once)."""
     if cfg.model.path:
-        policy, tokenizer = load_pretrained(cfg.model.path, cfg.model.dtype, log=log)
-    else:
-        if cfg.task.kind != "arithmetic":
-            raise InputError(
-                f"task.kind={cfg.task.kind}: the embedded demo model only speaks the arithmetic task; "
-                "set model.path"
-            )
-        tokenizer = CharTokenizer(ArithmeticTask.alphabet)
-        torch.manual_seed(cfg.seed)
-        policy = build_demo_model(cfg.model, tokenizer.vocab_size)
-    return policy, tokenizer, task
+        return load_tokenizer(model_directory(cfg.model.path, cfg.model.dtype, log=log))
+    return CharTokenizer(ArithmeticTask.alphabet)
 
 
-# The plan runs before any model or tokenizer exists: prompt lengths are bounded, not measured. A demo
-# prompt is one token per character; other tasks are planned for prompts of up to this many tokens.
-PLANNED_PROMPT_TOKENS = 256
+def build_policy(cfg: Config, tokenizer, log=print):
+    """The policy model: a pretrained one from model.path, or the embedded demo model."""
+    if cfg.model.path:
+        return load_pretrained(cfg.model.path, cfg.model.dtype, log=log)[0]
+    torch.manual_seed(cfg.seed)
+    return build_demo_model(cfg.model, tokenizer.vocab_size)
+
+
+def build(cfg: Config, log=print):
+    """(policy, tokenizer, task) as the config describes them; the task's data and the model path are
+    checked before any weights load (bad input raises InputError with a one-line message)."""
+    task, tokenizer = build_task(cfg), build_tokenizer(cfg, log=log)
+    return build_policy(cfg, tokenizer, log=log), tokenizer, task
 
 
 def model_config(cfg: Config):
@@ -87,18 +101,21 @@ def model_config(cfg: Config):
         return build_demo_model(cfg.model, CharTokenizer(ArithmeticTask.alphabet).vocab_size).config
 
 
-def check_memory_plan(cfg: Config, force: bool = False, log=print, world_size: int = 1):
-    """Print the run's memory plan, per rank of `world_size`; refuse (ConfigError) a plan over 95% of the
-    device unless `force`."""
-    config = model_config(cfg)
-    prompt_tokens = PLANNED_PROMPT_TOKENS
-    if not cfg.model.path and cfg.task.kind == "arithmetic":
-        widest = f"{'9' * cfg.task.digits}+{'9' * cfg.task.digits}="
-        prompt_tokens = len(cfg.task.prompt_template.format(prompt=widest)) + 1
+def longest_prompt(cfg: Config, task, tokenizer) -> int:
+    """The longest prompt in tokens, encoded as the rollout encodes it: the held-out problems and a sample
+    of training ones (a stream of fresh problems has no end to scan)."""
+    draw = random.Random(f"plan-{cfg.seed}")
+    problems = list(task.eval_problems) + [task.sample(draw) for _ in range(256)]
+    return max(len(ids) for ids in encode_prompts(tokenizer, problems, cfg.task))
+
+
+def check_memory_plan(cfg: Config, prompt_tokens: int, force: bool = False, log=print, world_size: int = 1):
+    """Print the run's memory plan, per rank of `world_size`, before any weights load; refuse (ConfigError)
+    a plan over 95% of the device unless `force`. prompt_tokens: the longest prompt."""
     device_bytes = device_memory(cfg.torch_device)
     if cfg.torch_device.type == "cpu":  # the ranks on one machine share its memory
         device_bytes /= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    plan = plan_memory(cfg, config, world_size, device_bytes, prompt_tokens=prompt_tokens)
+    plan = plan_memory(cfg, model_config(cfg), world_size, device_bytes, prompt_tokens=prompt_tokens)
     log(plan.line())
     refusal = plan.refusal()
     if refusal and not force:
@@ -135,8 +152,9 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     torch.manual_seed(cfg.seed)
 
     device = ctx.device
-    check_memory_plan(cfg, force, log, ctx.world_size)
-    policy, tokenizer, task = build(cfg, log=log)
+    task, tokenizer = build_task(cfg), build_tokenizer(cfg, log=log)  # no weights yet
+    check_memory_plan(cfg, longest_prompt(cfg, task, tokenizer), force, log, ctx.world_size)
+    policy = build_policy(cfg, tokenizer, log=log)
     policy.to(device)
     if not resume and ctx.is_main:
         (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
@@ -150,6 +168,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     # the trainer, which shards the policy when data-parallel: every rank keeps a whole rollout copy.
     precision = rollout_precision(cfg)
     rollout_model = make_rollout_model(policy, precision, cfg.rollout.act_quant, cfg.rollout.mx_scale_mode)
+    set_engine_options(rollout_model, EngineOptions.from_config(cfg.rollout))  # cache dtype, batch rows
     trainer = PolicyTrainer(policy, cfg.train, temperature=cfg.rollout.temperature)
 
     # Sharded, the policy is evaluated through its rollout copy where that holds the very same weights (full

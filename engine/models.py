@@ -138,9 +138,9 @@ def gguf_bpe_tokenizer(path: Path):
 
     transformers converts these itself, but 5.5 wraps a llama-architecture file's BPE in the
     sentencepiece-style Llama tokenizer: spaces become unknown tokens and the eos token is wrong, with no
-    error. Built here from the vocabulary and merges, the result is the same on every release. Pre-tokenization
-    is GPT-2's byte-level regex (tokenizer.ggml.pre is not interpreted); on SmolLM2 the ids equal those of
-    transformers 5.24's own conversion.
+    error. Built here from the vocabulary and merges, the result is the same on every release.
+    Pre-tokenization is GPT-2's byte-level regex (tokenizer.ggml.pre is not interpreted); on SmolLM2 the ids
+    equal those of transformers 5.24's own conversion.
     """
     from gguf import GGUFReader
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -214,21 +214,32 @@ def convert_gguf(path: Path, dtype: str = "float32", log=print) -> Path:
     return target
 
 
+def model_directory(path: str | Path, dtype: str = "float32", log=print) -> Path:
+    """The Hugging Face directory `model.path` names: itself, or a .gguf file's (or `package:NAME`'s)
+    conversion in the cache (made once, see convert_gguf). Nothing is loaded."""
+    source = resolve_model_source(str(path))
+    return convert_gguf(source, dtype, log=log) if source.is_file() else source
+
+
+def load_tokenizer(directory: Path):
+    """The tokenizer of a model directory, with a pad token (the eos token when it has none)."""
+    from transformers import AutoTokenizer
+
+    if (directory / "char_tokenizer.json").is_file():
+        tokenizer = CharTokenizer.from_pretrained(directory)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    if tokenizer.eos_token_id is None:
+        raise InputError(f"model.path: the tokenizer in {directory} has no eos token")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token_id = tokenizer.eos_token_id
+    return tokenizer
+
+
 def load_pretrained(path: str | Path, dtype: str = "float32", log=print):
     """(model, tokenizer) from `model.path`: a directory with config.json, safetensors weights and a
     tokenizer, a .gguf file, or `package:NAME` (converted once, see convert_gguf)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    source = resolve_model_source(str(path))
-    if source.is_file():
-        source = convert_gguf(source, dtype, log=log)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype])
-    if (source / "char_tokenizer.json").is_file():
-        tokenizer = CharTokenizer.from_pretrained(source)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    if tokenizer.eos_token_id is None:
-        raise InputError(f"model.path: the tokenizer in {source} has no eos token")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token_id = tokenizer.eos_token_id
-    return model, tokenizer
+    directory = model_directory(path, dtype, log=log)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype]), load_tokenizer(directory)

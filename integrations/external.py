@@ -79,7 +79,7 @@ def _read_verl_dataproto(path: Path) -> dict:
         import verl  # noqa: F401  (the pickle refers to verl's DataProto)
     except ImportError:
         raise ValueError(
-            f"{path}: a verl rollout dump; reading it needs verl installed (make .venv-verl)"
+            f"{path}: a verl rollout dump; reading it needs verl installed (make .venv-oldest/.installed)"
         ) from None
     with open(path, "rb") as f:
         data = pickle.load(f)

@@ -1,11 +1,11 @@
 """bitrl's losses through verl's policy-loss registry, called exactly as verl's actor calls them.
 
-Runs in the verl environment (`make .venv-verl/.installed`: verl 0.9 pins transformers < 5.11)."""
+Runs in the verl environment (`make .venv-oldest/.installed`: verl 0.9 pins transformers < 5.11)."""
 
 import pytest
 import torch
 
-pytest.importorskip("verl", reason="verl runs in its own environment: make .venv-verl/.installed")
+pytest.importorskip("verl", reason="verl runs in its own environment: make .venv-oldest/.installed")
 
 from verl.trainer.ppo.core_algos import get_policy_loss_fn  # noqa: E402
 from verl.utils.experimental.torch_functional import FusedLinearForPPO  # noqa: E402
