@@ -81,17 +81,25 @@ def philox4x32(counter, key, rounds: int = PHILOX_ROUNDS):
     return c0, c1, c2, c3
 
 
+# Philox words drawn per chunk: the intermediates of ten rounds stay in cache (2-3x faster on a CPU than one
+# pass over [B, V/4], where every round streams the whole tensor through memory).
+CHUNK_WORDS = 1 << 17
+
+
 def sampling_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """u [B, V] fp32 in (0, 1): the uniform of token v of row b (step 4 of the semantics).
     seeds, positions: [B] int64."""
     seeds, positions = seeds.long()[:, None], positions.long()[:, None]
-    words = -(-vocab_size // 4)
-    c0 = torch.arange(words, dtype=torch.long, device=seeds.device)[None, :]
     key = (seeds & MASK32, (seeds >> 32) & MASK32)
-    counter = (c0, positions & MASK32, (positions >> 32) & MASK32, torch.zeros_like(c0))
-    x = torch.stack(torch.broadcast_tensors(*philox4x32(counter, key)), dim=-1)  # [B, words, lane]
-    x = x.reshape(x.shape[0], -1)[:, :vocab_size]
-    u = ((x >> 8).float() + 0.5) * U_SCALE
+    u = torch.empty(seeds.shape[0], vocab_size, dtype=torch.float32, device=seeds.device)
+    span = 4 * max(1, CHUNK_WORDS // max(1, seeds.shape[0]))  # tokens per chunk, a multiple of 4
+    for start in range(0, vocab_size, span):
+        stop = min(vocab_size, start + span)
+        c0 = torch.arange(start // 4, -(-stop // 4), dtype=torch.long, device=seeds.device)[None, :]
+        counter = (c0, positions & MASK32, (positions >> 32) & MASK32, torch.zeros_like(c0))
+        x = torch.stack(torch.broadcast_tensors(*philox4x32(counter, key)), dim=-1)  # [B, words, lane]
+        x = x.reshape(x.shape[0], -1)[:, : stop - start]
+        u[:, start:stop] = ((x >> 8).float() + 0.5) * U_SCALE
     return u.clamp_(max=U_MAX)
 
 
