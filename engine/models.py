@@ -138,9 +138,9 @@ def gguf_bpe_tokenizer(path: Path):
 
     transformers converts these itself, but 5.5 wraps a llama-architecture file's BPE in the
     sentencepiece-style Llama tokenizer: spaces become unknown tokens and the eos token is wrong, with no
-    error. Built here from the vocabulary and merges, the result is the same on every release. Pre-tokenization
-    is GPT-2's byte-level regex (tokenizer.ggml.pre is not interpreted); on SmolLM2 the ids equal those of
-    transformers 5.24's own conversion.
+    error. Built here from the vocabulary and merges, the result is the same on every release.
+    Pre-tokenization is GPT-2's byte-level regex (tokenizer.ggml.pre is not interpreted); on SmolLM2 the ids
+    equal those of transformers 5.24's own conversion.
     """
     from gguf import GGUFReader
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
