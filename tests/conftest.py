@@ -28,21 +28,25 @@ def make_qwen(seed: int = 0, **config):
     return Qwen2ForCausalLM(Qwen2Config(**config)).eval()
 
 
+# A 2-layer Qwen2 causal LM with a 16-token vocabulary: the Qwen2Config of the tests' tiny models.
+TINY_QWEN = dict(
+    vocab_size=16,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
 @pytest.fixture
 def tiny_qwen():
     """A 2-layer Qwen2 causal LM with a 16-token vocabulary, random weights, fp32."""
-    return make_qwen(
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    return make_qwen(**TINY_QWEN)
 
 
 def save_tiny_hf_model(directory):

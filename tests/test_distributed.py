@@ -41,22 +41,9 @@ LORA = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linea
 
 
 def tiny_policy(seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from conftest import TINY_QWEN, make_qwen
 
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return Qwen2ForCausalLM(config)
+    return make_qwen(seed, **TINY_QWEN).train()
 
 
 def global_batch(policy):

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import make_qwen
+from conftest import TINY_QWEN, make_qwen
 
 from bitrl.engine.config import load_config
 from bitrl.rollout.engine import Rollout, generate
@@ -12,19 +12,6 @@ from bitrl.rollout.precision import make_rollout_model, sync_rollout_model_
 from bitrl.train.logprobs import token_logprobs
 from bitrl.train.lora import apply_lora, lora_layers
 from bitrl.train.trainer import PolicyTrainer, micro_batches
-
-TINY = dict(
-    vocab_size=16,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 
 
 @pytest.fixture(autouse=True)
@@ -92,13 +79,13 @@ def test_micro_batches_split_by_token_budget():
 def test_micro_batching_gives_the_one_batch_update(aggregation, correction, args):
     """Gradient accumulation over micro-batches equals the one-batch gradient (fp32, 1e-6 relative), also
     with batch-level corrections (AIS) and corrections that mask whole sequences."""
-    rollout = sample(make_qwen(**TINY))
+    rollout = sample(make_qwen(**TINY_QWEN))
     advantages = torch.linspace(-1.5, 1.5, 8)
     common = [f"train.aggregation={aggregation}", f"train.correction={correction}", "train.autocast=none"]
     common.append(f"train.correction_args={__import__('json').dumps(args)}")
     results = {}
     for budget in (0, 10, 25):
-        model = make_qwen(**TINY)
+        model = make_qwen(**TINY_QWEN)
         results[budget] = accumulated_gradient(
             model, train_cfg(*common, f"train.micro_batch_tokens={budget}"), rollout, advantages
         )
@@ -113,10 +100,10 @@ def test_micro_batching_gives_the_one_batch_update(aggregation, correction, args
 
 def test_micro_batched_step_matches_one_batch_step():
     """A whole trainer step (two updates, two minibatches) leaves the same weights either way."""
-    rollout, advantages = sample(make_qwen(**TINY)), torch.linspace(-1, 1, 8)
+    rollout, advantages = sample(make_qwen(**TINY_QWEN)), torch.linspace(-1, 1, 8)
     weights = []
     for budget in (0, 9):
-        model = make_qwen(**TINY)
+        model = make_qwen(**TINY_QWEN)
         cfg = train_cfg("train.minibatches=2", f"train.micro_batch_tokens={budget}", "train.lr=1e-3")
         PolicyTrainer(model, cfg).step(rollout, advantages)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
@@ -124,9 +111,9 @@ def test_micro_batched_step_matches_one_batch_step():
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    rollout, advantages = sample(make_qwen(**TINY)), torch.linspace(-1, 1, 8)
-    plain = accumulated_gradient(make_qwen(**TINY), train_cfg(), rollout, advantages)
-    model = make_qwen(**TINY)
+    rollout, advantages = sample(make_qwen(**TINY_QWEN)), torch.linspace(-1, 1, 8)
+    plain = accumulated_gradient(make_qwen(**TINY_QWEN), train_cfg(), rollout, advantages)
+    model = make_qwen(**TINY_QWEN)
     checkpointed = accumulated_gradient(
         model, train_cfg("train.gradient_checkpointing=true"), rollout, advantages
     )
@@ -135,29 +122,29 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_bf16_model_keeps_fp32_master_weights_and_runs_under_autocast():
-    model = make_qwen(**TINY).to(torch.bfloat16)
+    model = make_qwen(**TINY_QWEN).to(torch.bfloat16)
     trainer = PolicyTrainer(model, train_cfg())
     assert trainer.autocast == "bf16"  # on the CPU too: the weights were loaded in bf16
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    trainer.step(sample(make_qwen(**TINY)), torch.linspace(-1, 1, 8))
+    trainer.step(sample(make_qwen(**TINY_QWEN)), torch.linspace(-1, 1, 8))
     states = [s for st in trainer.optimizer.state.values() for s in st.values() if s.dim()]
     assert states and all(s.dtype == torch.float32 for s in states)
 
-    plain = make_qwen(**TINY).to(torch.bfloat16)
+    plain = make_qwen(**TINY_QWEN).to(torch.bfloat16)
     PolicyTrainer(plain, train_cfg("train.master_weights=model")).step(
-        sample(make_qwen(**TINY)), torch.linspace(-1, 1, 8)
+        sample(make_qwen(**TINY_QWEN)), torch.linspace(-1, 1, 8)
     )
     assert all(p.dtype == torch.bfloat16 for p in plain.parameters())
 
 
 def test_lora_gradients_reach_only_adapters_and_the_base_stays_put():
-    model = apply_lora(make_qwen(**TINY), lora_cfg())
+    model = apply_lora(make_qwen(**TINY_QWEN), lora_cfg())
     base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
     trainer = PolicyTrainer(model, train_cfg())
     assert {id(p) for p in trainer.optimizer.param_groups[0]["params"]} == {
         id(p) for n, p in model.named_parameters() if "lora_" in n
     }
-    rollout, advantages = sample(make_qwen(**TINY)), torch.linspace(-1, 1, 8)
+    rollout, advantages = sample(make_qwen(**TINY_QWEN)), torch.linspace(-1, 1, 8)
     trainer.policy.train()
     trainer.backward(rollout, trainer.old_logprobs(rollout), advantages)
     with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
@@ -171,12 +158,12 @@ def test_lora_gradients_reach_only_adapters_and_the_base_stays_put():
 
 
 def test_lora_rollout_copy_gets_the_merged_weights():
-    model = apply_lora(make_qwen(**TINY), lora_cfg('model.lora.target_modules=["q_proj","down_proj"]'))
+    model = apply_lora(make_qwen(**TINY_QWEN), lora_cfg('model.lora.target_modules=["q_proj","down_proj"]'))
     assert {n.rsplit(".", 1)[1] for n in lora_layers(model)} == {"q_proj", "down_proj"}
     trainer = PolicyTrainer(model, train_cfg())
     rollout_model = make_rollout_model(model, "full")
     assert not lora_layers(rollout_model)  # a plain model: what an inference engine takes
-    rollout = sample(make_qwen(**TINY))
+    rollout = sample(make_qwen(**TINY_QWEN))
     trainer.step(rollout, torch.linspace(-1, 1, 8))
     stats = sync_rollout_model_(rollout_model, model, "full")
     assert stats["merged"] == 4  # 2 layers x 2 adapted modules
@@ -200,7 +187,7 @@ def test_lora_rollout_copy_gets_the_merged_weights():
 @pytest.mark.parametrize("base_precision", ["fp8", "mxfp4", "nvfp4"])
 def test_qerl_base_is_bit_identical_in_trainer_and_rollout(base_precision):
     model = apply_lora(
-        make_qwen(**TINY).to(torch.bfloat16), lora_cfg(f"model.lora.base_precision={base_precision}")
+        make_qwen(**TINY_QWEN).to(torch.bfloat16), lora_cfg(f"model.lora.base_precision={base_precision}")
     )
     trainer = PolicyTrainer(model, train_cfg())
     rollout_model = make_rollout_model(model, "full")
@@ -211,7 +198,7 @@ def test_qerl_base_is_bit_identical_in_trainer_and_rollout(base_precision):
             twin.base_layer.dequantized_weight(torch.bfloat16),
             layer.base_layer.dequantized_weight(torch.bfloat16),
         )
-    rollout = sample(make_qwen(**TINY))
+    rollout = sample(make_qwen(**TINY_QWEN))
     trainer.step(rollout, torch.linspace(-1, 1, 8))
     assert sync_rollout_model_(rollout_model, model, "full")["copied"] == len(trainer.trainable)
     with torch.no_grad():  # same base bits, same adapters: the same log-probs, bit for bit
@@ -226,16 +213,16 @@ def test_lora_config_errors_are_clear():
     with pytest.raises(ConfigError, match="base_precision needs LoRA"):
         load_config(overrides=["model.lora.base_precision=nvfp4"])
     with pytest.raises(ValueError, match="model.lora.target_modules"):
-        apply_lora(make_qwen(**TINY), lora_cfg('model.lora.target_modules=["nope"]'))
+        apply_lora(make_qwen(**TINY_QWEN), lora_cfg('model.lora.target_modules=["nope"]'))
 
 
 def test_checkpoint_state_of_a_lora_policy_is_the_adapters_only():
     from bitrl.train.checkpoint import load_policy_state, policy_state
 
-    model = apply_lora(make_qwen(**TINY), lora_cfg())
+    model = apply_lora(make_qwen(**TINY_QWEN), lora_cfg())
     state = policy_state(model)
     assert state and all("lora_" in n for n in state)
-    other = apply_lora(make_qwen(**TINY), lora_cfg())
+    other = apply_lora(make_qwen(**TINY_QWEN), lora_cfg())
     load_policy_state(other, copy.deepcopy(state))
     assert all(torch.equal(other.get_parameter(n), t) for n, t in state.items())
     with pytest.raises(ValueError, match="does not match the policy"):
