@@ -42,8 +42,12 @@ BITRL_HD U32x4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
   return out;
 }
 
-// u in (0, 1), exact in fp32: 24 random bits centred in their cell.
-BITRL_HD float uniform_from_bits(uint32_t x) { return ((float)(x >> 8) + 0.5f) * 5.9604644775390625e-08f; }
+// u in (0, 1), exact in fp32: 24 random bits centred in their cell, capped at 1 - 2^-24 (the fp32 sum
+// rounds (2^24 - 1) + 0.5 to 2^24, which would give u = 1 and an infinite Gumbel key; bitrl.kernels.sampling
+// caps it the same way).
+BITRL_HD float uniform_from_bits(uint32_t x) {
+  return fminf(((float)(x >> 8) + 0.5f) * 5.9604644775390625e-08f, 0.99999994f);
+}
 
 // The uniform of vocabulary entry v for (seed, position): counter (v / 4, position lo, position hi, 0),
 // key (seed lo, seed hi), lane v % 4.

@@ -45,9 +45,8 @@ def uniforms(seed: int, position: int, vocab: int) -> np.ndarray:
         v >> np.uint64(2), position & 0xFFFFFFFF, position >> 32, 0, seed & 0xFFFFFFFF, seed >> 32
     )
     x = np.choose((v & np.uint64(3)).astype(np.int64), lanes)
-    return (((x >> np.uint64(8)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-24)).astype(
-        np.float32
-    )
+    u = ((x >> np.uint64(8)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-24)
+    return np.minimum(u, np.float32(1 - 2.0**-24)).astype(np.float32)  # the cap of the sampling semantics
 
 
 def sample_model(logits, seed, position, t, top_k, top_p):
