@@ -226,7 +226,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     steps = range(start_step, cfg.steps)
     progress = tqdm(steps, initial=start_step, total=cfg.steps, desc=cfg.name, disable=not ctx.is_main)
     G = cfg.rollout.group_size
-    my_groups = rank_groups(cfg.rollout.prompts_per_step, ctx.rank, ctx.world_size)
+    my_groups = rank_groups(cfg.rollout.prompts_per_step, ctx.rank, ctx.world_size, G, cfg.train.minibatches)
     for step in progress:
         t0 = time.perf_counter()
         aqn_sigma = aqn.apply_(rollout_model, step) if aqn is not None else None

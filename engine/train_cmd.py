@@ -68,7 +68,8 @@ def main(argv: list[str]) -> int:
         return 2
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
     try:
-        rank_groups(cfg.rollout.prompts_per_step, 0, world_size)
+        r = cfg.rollout
+        rank_groups(r.prompts_per_step, 0, world_size, r.group_size, cfg.train.minibatches)
         if args.resume:
             check_resume_world_size(Path(args.resume), world_size)
     except ValueError as e:

@@ -88,3 +88,22 @@ def hf_model_dir(tmp_path):
 def pytest_report_header(config):
     interpret = os.environ.get("TRITON_INTERPRET")
     return f"torch {torch.__version__}, cuda: {torch.cuda.is_available()}, TRITON_INTERPRET={interpret}"
+
+# A PolicyTrainer config (any object with TrainConfig's fields) for unit tests: plain GRPO, fp32, a large lr.
+TRAIN_CFG = dict(
+    lr=1e-2,
+    betas=(0.9, 0.99),
+    weight_decay=0.0,
+    grad_clip=1.0,
+    updates_per_batch=2,
+    minibatches=1,
+    loss_type="grpo",
+    aggregation="token-mean",
+    clip_eps_low=0.2,
+    clip_eps_high=0.28,
+    clip_ratio_c=None,
+    correction="none",
+    correction_args={},
+    autocast="none",
+    entropy_coef=0.0,
+)

@@ -17,26 +17,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import TRAIN_CFG
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN_CFG = dict(
-    lr=1e-2,
-    betas=(0.9, 0.99),
-    weight_decay=0.0,
-    grad_clip=1.0,
-    updates_per_batch=2,
-    minibatches=1,
-    loss_type="grpo",
-    aggregation="token-mean",
-    clip_eps_low=0.2,
-    clip_eps_high=0.28,
-    clip_ratio_c=None,
-    correction="none",
-    correction_args={},
-    autocast="none",
-    entropy_coef=0.0,
-)
 GROUPS, GROUP_SIZE = 4, 2
+# two optimizer steps per pass: each rank's k-th minibatch is every 2nd of its rows
+VARIANTS = {"minibatches": TRAIN_CFG | {"minibatches": 2}}
 LORA = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", base_precision="full")
 
 
@@ -148,10 +134,11 @@ def worker_trainer(out: Path) -> None:
     groups = rank_groups(GROUPS, ctx.rank, ctx.world_size)
     rows = torch.arange(groups.start * GROUP_SIZE, groups.stop * GROUP_SIZE)
     gathered = {}
-    for variant in ("lora", "plain", "checkpointing"):
+    for variant in ("lora", "plain", "minibatches", "checkpointing"):
         policy = apply_lora(tiny_policy(), LORA) if variant == "lora" else tiny_policy()
         copies = {p: make_rollout_model(policy, p) for p in ("full", "mxfp4")}
-        cfg = SimpleNamespace(**TRAIN_CFG, gradient_checkpointing=variant == "checkpointing")
+        checkpointing = variant == "checkpointing"
+        cfg = SimpleNamespace(**VARIANTS.get(variant, TRAIN_CFG), gradient_checkpointing=checkpointing)
         trainer = PolicyTrainer(policy, cfg)  # shards the policy: this process is one of 2 ranks
         assert is_sharded(policy)
         metrics = trainer.step(rollout_rows(rollout, rows), advantages[rows])
@@ -241,8 +228,8 @@ def test_launch_command_and_bad_world_sizes(capsys):
 
 def test_two_ranks_step_equals_one_rank(tmp_path):
     """fp32: one step on 2 ranks (FSDP2, each on its own groups) gives the single-process parameters within
-    1e-5 relative, with and without gradient checkpointing, and with LoRA adapters; weight sync and the
-    checkpoint round trip are checked on each rank inside the worker."""
+    1e-5 relative, with and without gradient checkpointing, in two minibatches, and with LoRA adapters; weight
+    sync and the checkpoint round trip are checked on each rank inside the worker."""
     from bitrl.train.lora import apply_lora
     from bitrl.train.trainer import PolicyTrainer
 
@@ -252,8 +239,13 @@ def test_two_ranks_step_equals_one_rank(tmp_path):
 
     rollout, advantages = global_batch(tiny_policy())
     one_rank = {}
-    for variant, policy in (("plain", tiny_policy()), ("lora", apply_lora(tiny_policy(), LORA))):
-        metrics = PolicyTrainer(policy, SimpleNamespace(**TRAIN_CFG)).step(rollout, advantages)
+    for variant, policy in (
+        ("plain", tiny_policy()),
+        ("lora", apply_lora(tiny_policy(), LORA)),
+        ("minibatches", tiny_policy()),
+    ):
+        cfg = SimpleNamespace(**VARIANTS.get(variant, TRAIN_CFG))
+        metrics = PolicyTrainer(policy, cfg).step(rollout, advantages)
         one_rank[variant] = (policy, metrics)
     one_rank["checkpointing"] = one_rank["plain"]  # the same update, activations recomputed
     for variant, (policy, metrics) in one_rank.items():

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from conftest import TRAIN_CFG
 
 from bitrl.train.advantages import ADVANTAGES, compute_advantages
 
@@ -35,23 +36,7 @@ def test_trainer_step_moves_probability_toward_positive_advantages(tiny_qwen, au
     from bitrl.train.logprobs import token_logprobs
     from bitrl.train.trainer import PolicyTrainer
 
-    cfg = SimpleNamespace(
-        lr=1e-2,
-        betas=(0.9, 0.99),
-        weight_decay=0.0,
-        grad_clip=1.0,
-        updates_per_batch=2,
-        minibatches=2,
-        loss_type="grpo",
-        aggregation="token-mean",
-        clip_eps_low=0.2,
-        clip_eps_high=0.28,
-        clip_ratio_c=None,
-        correction="none",
-        correction_args={},
-        autocast=autocast,
-        entropy_coef=0.0,
-    )
+    cfg = SimpleNamespace(**TRAIN_CFG | {"minibatches": 2, "autocast": autocast})
     rollout = generate(
         tiny_qwen,
         [[1, 5, 6]] * 8,

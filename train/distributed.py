@@ -77,15 +77,25 @@ def comm_device() -> torch.device:
 # ---------------------------------------------------------------------------------------------- rollouts
 
 
-def rank_groups(num_groups: int, rank: int, world_size: int) -> range:
+def rank_groups(
+    num_groups: int, rank: int, world_size: int, group_size: int = 1, minibatches: int = 1
+) -> range:
     """The GRPO groups (prompt indices) this rank generates and trains on: one contiguous block, so the global
-    batch is the ranks' rows concatenated in rank order and a group never straddles two ranks."""
+    batch is the ranks' rows concatenated in rank order and a group never straddles two ranks. On more than
+    one rank, the rank's rows (groups x group_size) must also divide by `minibatches`: the trainer's k-th
+    minibatch is every minibatches-th row, and only then is the union of the ranks' k-th minibatches the
+    single-process one."""
     if num_groups % world_size:
         raise ValueError(
             f"rollout.prompts_per_step ({num_groups}) must divide by the world size ({world_size}): "
             "every rank takes the same number of whole groups"
         )
     share = num_groups // world_size
+    if world_size > 1 and (share * group_size) % minibatches:
+        raise ValueError(
+            f"train.minibatches ({minibatches}) must divide each rank's rows ({share} groups x {group_size} "
+            f"samples at world size {world_size}), or the minibatches differ from a single process's"
+        )
     return range(rank * share, (rank + 1) * share)
 
 

@@ -223,8 +223,16 @@ class PolicyTrainer:
         batch = mask.shape[0]
         sums: dict[str, float] = {}
         n_updates = 0
+        if is_distributed() and batch % cfg.minibatches:
+            raise ValueError(f"train.minibatches ({cfg.minibatches}) must divide this rank's {batch} rows")
+        # Minibatch k is every minibatches-th row. Each rank holds a contiguous block of the global batch, so
+        # (with blocks that divide by minibatches) the ranks' k-th minibatches together are the one-process
+        # k-th minibatch, and a data-parallel step equals the single-process step.
+        minibatches = [
+            torch.arange(k, batch, cfg.minibatches, device=mask.device) for k in range(cfg.minibatches)
+        ]
         for _ in range(cfg.updates_per_batch):
-            for rows in torch.arange(batch, device=mask.device).chunk(cfg.minibatches):
+            for rows in filter(len, minibatches):
                 self.optimizer.zero_grad(set_to_none=True)
                 loss, metrics = self.backward(rollout_rows(rollout, rows), old[rows], advantages[rows])
                 self.scaler.unscale_(self.optimizer)
