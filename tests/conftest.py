@@ -89,6 +89,7 @@ def pytest_report_header(config):
     interpret = os.environ.get("TRITON_INTERPRET")
     return f"torch {torch.__version__}, cuda: {torch.cuda.is_available()}, TRITON_INTERPRET={interpret}"
 
+
 # A PolicyTrainer config (any object with TrainConfig's fields) for unit tests: plain GRPO, fp32, a large lr.
 TRAIN_CFG = dict(
     lr=1e-2,
