@@ -44,12 +44,17 @@ def global_batch(policy):
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
-def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(*args: str, nproc: int = 2, timeout: float = 300, env=ENV) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [*TORCHRUN, *args], capture_output=True, text=True, timeout=timeout, env=ENV, cwd=REPO
+        [*TORCHRUN, f"--nproc-per-node={nproc}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
     )
 
 
@@ -189,6 +194,44 @@ def worker_trainer(out: Path) -> None:
     dist.destroy_process_group()
 
 
+# A 25M-parameter demo model (fp32 weights, gradients and AdamW states: 384 MiB on one rank), 2 RL steps.
+BUDGET_RUN = [
+    "model.hidden_size=512",
+    "model.intermediate_size=1536",
+    "model.num_layers=8",
+    "model.num_heads=8",
+    "model.num_kv_heads=4",
+    "steps=2",
+    "threads=1",
+    "warmstart.steps=0",
+    "task.n_eval=8",
+    "rollout.prompts_per_step=8",
+    "rollout.group_size=4",
+]
+# Each rank's budget for what the run allocates: measured growth of the data segment 571 MiB on one rank,
+# 393 MiB on each of two (the sharded states halve; the rollout copy and activations stay per rank).
+BUDGET_MIB = 480
+
+
+def worker_budget(out: Path) -> None:
+    """On every rank: cap what this process may allocate from now on at BUDGET_MIB above what it holds (the
+    kernel enforces RLIMIT_DATA on every private writable mapping: torch's tensors, malloc's heap), then run
+    `bitrl train`. An allocation over the budget fails with ENOMEM and the rank dies."""
+    import resource
+
+    from bitrl.engine.config import load_config
+    from bitrl.engine.loop import model_config, run
+    from bitrl.train.distributed import init_distributed
+
+    cfg = load_config(None, [f"out_dir={out}", "name=budget", *BUDGET_RUN])
+    init_distributed(torch.device("cpu"))
+    model_config(cfg)  # the model's code imported before the budget starts
+    status = Path("/proc/self/status").read_text().splitlines()
+    data = next(int(line.split()[1]) for line in status if line.startswith("VmData:")) * 1024
+    resource.setrlimit(resource.RLIMIT_DATA, (data + BUDGET_MIB * 2**20, resource.RLIM_INFINITY))
+    run(cfg, log=lambda *a, **k: None)
+
+
 # ------------------------------------------------------------------------------------------------- tests
 
 
@@ -261,6 +304,20 @@ def test_two_ranks_step_equals_one_rank(tmp_path):
             assert got[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_DATA caps anonymous mappings on Linux only")
+def test_a_model_over_one_ranks_memory_budget_trains_on_two(tmp_path):
+    """With each rank's allocations capped at BUDGET_MIB by the kernel, the 25M-parameter model runs out of
+    memory on one rank and trains its 2 steps on two (FSDP2 shards weights, gradients and AdamW states)."""
+    # Freed tensors above 64 KiB go back to the system at once, so the cap meets live memory, not a cache.
+    env = {**ENV, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    one = torchrun(__file__, "budget", str(tmp_path / "one"), nproc=1, env=env)
+    assert one.returncode != 0 and "can't allocate memory" in one.stderr, one.stderr[-3000:]
+    two = torchrun(__file__, "budget", str(tmp_path / "two"), nproc=2, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "two/budget/metrics.jsonl").open()]
+    assert steps == [0, 1, 2]
+
+
 def test_two_ranks_run_like_one_and_resume_after_sigkill(tmp_path):
     """An uninterrupted run on 2 ranks (plain torchrun) has the single-process run's metrics (sampling keyed
     by sample id, whole groups per rank, global normalisers); a run (`bitrl train --nproc 2`) whose rank 1
@@ -311,4 +368,4 @@ def test_two_ranks_run_like_one_and_resume_after_sigkill(tmp_path):
 
 
 if __name__ == "__main__":
-    {"trainer": worker_trainer}[sys.argv[1]](Path(sys.argv[2]))
+    {"trainer": worker_trainer, "budget": worker_budget}[sys.argv[1]](Path(sys.argv[2]))
