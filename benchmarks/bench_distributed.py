@@ -1,6 +1,6 @@
 """Data-parallel scale-out on CPU (gloo): 1 rank against 2 on the same global batch, and memory per rank.
 
-    python benchmarks/bench_distributed.py curves [--steps 20] [--repeats 2] [--set key=value ...]
+    python benchmarks/bench_distributed.py curves [--steps 20] [--repeats 2] [--preset NAME] [--set k=v ...]
     python benchmarks/bench_distributed.py memory [--world-sizes 1 2 4]
 
 `curves` trains the demo twice per repeat, on 1 rank (2 threads) and on 2 ranks (1 thread each), alternating,
@@ -44,10 +44,11 @@ MEMORY_RUN = [
 ]
 
 
-def train(nproc: int, threads: int, out_dir: Path, name: str, extra: list[str]) -> list[dict]:
-    """`bitrl train` on `nproc` ranks; returns its metrics records."""
+def train(nproc: int, threads: int, out_dir: Path, name: str, extra: list[str], preset=None) -> list[dict]:
+    """`bitrl train` on `nproc` ranks (from `preset` when given); returns its metrics records."""
     args = [f"out_dir={out_dir}", f"name={name}", f"threads={threads}", *extra]
-    cmd = [sys.executable, "-m", "bitrl", "train", "--nproc", str(nproc), *args]
+    cmd = [sys.executable, "-m", "bitrl", "train", "--nproc", str(nproc)]
+    cmd += (["--preset", preset] if preset else []) + args
     subprocess.run(
         cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
@@ -55,26 +56,34 @@ def train(nproc: int, threads: int, out_dir: Path, name: str, extra: list[str]) 
 
 
 def curves(args) -> dict:
-    extra = [f"steps={args.steps}", f"eval_every={args.steps}", f"checkpoint_every={args.steps}", *args.set]
+    every = args.eval_every or args.steps
+    extra = [f"steps={args.steps}", f"eval_every={every}", f"checkpoint_every={args.steps}", *args.set]
     runs = {1: [], 2: []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for nproc in (1, 2):  # alternating, so that load on the machine hits both alike
                 threads = 2 // nproc
-                runs[nproc].append(train(nproc, threads, Path(tmp), f"n{nproc}-{repeat}", extra))
+                runs[nproc].append(train(nproc, threads, Path(tmp), f"n{nproc}-{repeat}", extra, args.preset))
     one, two = runs[1][0][1:], runs[2][0][1:]  # step 0 holds only the starting accuracy
+    # Steps whose rewards agree exactly drew the same samples; rounding differences in the summed
+    # gradients can flip one sampled token many steps later, and the runs part from there.
+    same = [a["reward_mean"] == b["reward_mean"] for a, b in zip(one, two)]
+    identical_steps = same.index(False) if False in same else len(same)
     gaps = {k: max(abs(a[k] - b[k]) for a, b in zip(one, two)) for k in CURVE_KEYS}
     scale = {k: max(abs(a[k]) for a in one) for k in CURVE_KEYS}
     step_time = {
         n: statistics.median(r["step_time_s"] for rec in runs[n] for r in rec[2:]) for n in runs
     }  # first step excluded (warm-up)
+    evals = {n: {r["step"]: r["accuracy"] for r in runs[n][0] if "accuracy" in r} for n in runs}
     return {
+        "preset": args.preset,
         "overrides": args.set,
         "steps": args.steps,
+        "identical_reward_steps": identical_steps,
+        "accuracy": evals,
         "repeats": args.repeats,
         "max_abs_gap": gaps,
         "max_abs_value": scale,
-        "accuracy_end": {n: runs[n][0][-1].get("accuracy") for n in runs},
         "median_step_time_s": step_time,
         "step_time_ratio_2_over_1": step_time[2] / step_time[1],
         "curves": {n: [{k: r[k] for k in ("step", *CURVE_KEYS)} for r in runs[n][0][1:]] for n in runs},
@@ -141,7 +150,9 @@ def table(mode: str, result: dict) -> str:
         t = result["median_step_time_s"]
         lines.append(
             f"\nmedian step time: 1 rank {t[1]:.3f} s, 2 ranks {t[2]:.3f} s, "
-            f"ratio {result['step_time_ratio_2_over_1']:.2f}"
+            f"ratio {result['step_time_ratio_2_over_1']:.2f}; identical rewards for the first "
+            f"{result['identical_reward_steps']} of {result['steps']} steps; "
+            f"held-out accuracy {result['accuracy']}"
         )
         return "\n".join(lines)
     mib = 2**20
@@ -160,13 +171,19 @@ def main(argv=None) -> int:
     c = sub.add_parser("curves")
     c.add_argument("--steps", type=int, default=20)
     c.add_argument("--repeats", type=int, default=2)
+    c.add_argument("--preset", help="start every run from this preset (bitrl train --preset NAME)")
+    c.add_argument("--eval-every", type=int, help="held-out evaluation period (default: only at the end)")
     c.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     m = sub.add_parser("memory")
     m.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument(
+        "--out", type=Path, help="the JSON result (default: results/bench_distributed_MODE.json)"
+    )
     args = parser.parse_args(argv)
     result = curves(args) if args.mode == "curves" else memory(args)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"bench_distributed_{args.mode}.json").write_text(json.dumps(result, indent=2))
+    out = args.out or RESULTS / f"bench_distributed_{args.mode}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
     print(table(args.mode, result))
     return 0
 

@@ -84,6 +84,39 @@ def test_torch_path_equals_the_reference(dtype, temperature, top_k, top_p):
         torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_path_draws_only_near_the_top_yet_like_the_reference(dtype):
+    """Logits spread like a language model's (most of the vocabulary tens of nats below the top): the torch
+    path draws uniforms for the few tokens that can still win, and its draws stay the reference's exactly."""
+    from bitrl.kernels.sampling import GUMBEL_MAX
+
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(64, 3000, generator=g) * 12).to(dtype)
+    logits[:8, :100] = float("-inf")
+    seeds = torch.randint(-(2**62), 2**62, (64,), generator=g)
+    for temperature, top_k in [(1.0, 0), (0.7, 0), (1.0, 40)]:
+        z = logits.float() / temperature
+        near = (z >= z.max(-1, keepdim=True).values - (GUMBEL_MAX + 3)).float().mean()
+        assert near < 0.1  # the case does exercise the pruning
+        for position in (0, 2**33 + 5):
+            positions = torch.full((64,), position)
+            args = (logits, seeds, positions, temperature, top_k, 1.0)
+            tok, lp = fused_sample(*args, impl="torch")
+            ref_tok, ref_lp = fused_sample_reference(*args)
+            assert torch.equal(tok, ref_tok)
+            torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+
+
+def test_uniforms_at_equal_the_full_table():
+    from bitrl.kernels.sampling import uniforms_at
+
+    seeds, positions = torch.tensor([3, -(2**60), 2**40 + 1]), torch.tensor([0, 7, 2**35])
+    table = sampling_uniforms(seeds, positions, 37)
+    row = torch.tensor([0, 0, 1, 2, 2, 2])
+    token = torch.tensor([0, 36, 5, 1, 2, 3])
+    assert torch.equal(uniforms_at(seeds[row], positions[row], token), table[row, token])
+
+
 # The interpreter is slow: every setting in fp32, the filtered ones in bf16 / fp16, one multi-tile vocabulary.
 TRITON_CASES = [(torch.float32, *s) for s in SETTINGS] + [
     (dtype, *s) for dtype in DTYPES[1:] for s in (SETTINGS[1], SETTINGS[3])
