@@ -176,9 +176,8 @@ def main(argv=None) -> int:
     c.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     m = sub.add_parser("memory")
     m.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument(
-        "--out", type=Path, help="the JSON result (default: results/bench_distributed_MODE.json)"
-    )
+    for mode in (c, m):
+        mode.add_argument("--out", type=Path, help="the JSON (default: results/bench_distributed_MODE.json)")
     args = parser.parse_args(argv)
     result = curves(args) if args.mode == "curves" else memory(args)
     out = args.out or RESULTS / f"bench_distributed_{args.mode}.json"
