@@ -74,6 +74,7 @@ class LossConfig:
     reject_threshold: float | None = None  # rejection by divergence; None: the divergence at rho = 2
     ais_kl_scale: float = 0.01  # AIS: k3 KL (nats/token) at which the severity reaches 1 - 1/e
     ais_min_ess: float = 0.5  # AIS: below this ESS, tokens with rho outside [1/C, C] are masked
+    ais_moments: torch.Tensor | None = None  # AIS: the whole batch's `ais_moments` when given a shard of it
     extra: dict = field(default_factory=dict)
 
 
@@ -475,20 +476,31 @@ for _kind in _DIVERGENCES:
 # unreliable to reweight those tokens at all.
 
 
-def ais_coefficients(log_rho, mask, cfg: LossConfig) -> dict[str, torch.Tensor]:
-    """The AIS diagnostics and lambda of a batch (0-dim fp32 tensors): severity, reliability, amplification,
-    lambda. log_rho, mask: [B, T]."""
+def ais_moments(log_rho, mask, cfg: LossConfig) -> torch.Tensor:
+    """[6] fp32 sums over the unmasked tokens of a batch: count, k3 = rho - 1 - log rho, rho, rho^2,
+    min(rho, C), min(rho, C)^2. Sums add over the shards of a batch (data-parallel ranks), means do not."""
     m = mask.bool()
-    if not m.any():
-        zero = torch.zeros((), device=log_rho.device)
-        return {"severity": zero, "reliability": zero + 1, "amplification": zero, "lambda": zero}
     lr = log_rho.float().clamp(-_KL_CLAMP, _KL_CLAMP)[m]
     rho = lr.exp()
-    kl3 = (torch.expm1(lr) - lr).mean()
-    severity = 1 - torch.exp(-kl3 / cfg.ais_kl_scale)
-    reliability = rho.mean() ** 2 / (rho * rho).mean()
     truncated = rho.clamp(max=cfg.correction_cap)
-    amplification = ((truncated * truncated).mean() / truncated.mean() ** 2 - 1).clamp(min=0)
+    terms = (torch.ones_like(lr), torch.expm1(lr) - lr, rho, rho * rho, truncated, truncated * truncated)
+    return torch.stack([t.sum() for t in terms])
+
+
+def ais_coefficients(log_rho, mask, cfg: LossConfig) -> dict[str, torch.Tensor]:
+    """The AIS diagnostics and lambda of a batch (0-dim fp32 tensors): severity, reliability, amplification,
+    lambda. log_rho, mask: [B, T]. With cfg.ais_moments set (the `ais_moments` of the whole batch, e.g.
+    summed over data-parallel ranks) they are those of that batch rather than of the shard given."""
+    moments = cfg.ais_moments if cfg.ais_moments is not None else ais_moments(log_rho, mask, cfg)
+    count, kl3, rho, rho2, trunc, trunc2 = moments.to(device=log_rho.device, dtype=torch.float32) / max(
+        float(moments[0]), 1.0
+    )
+    if count == 0:
+        zero = torch.zeros((), device=log_rho.device)
+        return {"severity": zero, "reliability": zero + 1, "amplification": zero, "lambda": zero}
+    severity = 1 - torch.exp(-kl3 / cfg.ais_kl_scale)
+    reliability = rho**2 / rho2
+    amplification = (trunc2 / trunc**2 - 1).clamp(min=0)
     lam = (severity * (1 + amplification) / (1 + amplification * reliability)).clamp(0, 1)
     return {"severity": severity, "reliability": reliability, "amplification": amplification, "lambda": lam}
 

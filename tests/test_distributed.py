@@ -6,6 +6,7 @@ runs on each rank; the tests compare what it writes with the single-process run 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -22,7 +23,11 @@ from conftest import TRAIN_CFG
 REPO = Path(__file__).resolve().parents[1]
 GROUPS, GROUP_SIZE = 4, 2
 # two optimizer steps per pass: each rank's k-th minibatch is every 2nd of its rows
-VARIANTS = {"minibatches": TRAIN_CFG | {"minibatches": 2}}
+# AIS: its lambda comes from statistics of the whole batch, summed over the ranks
+VARIANTS = {
+    "minibatches": TRAIN_CFG | {"minibatches": 2},
+    "ais": TRAIN_CFG | {"correction": "ais", "correction_args": {"ais_kl_scale": 0.05}},
+}
 LORA = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", base_precision="full")
 
 
@@ -41,6 +46,12 @@ def global_batch(policy):
     rollout = generate(policy, prompts, max_new_tokens=6, eos_id=2, pad_id=0, generator=generator)
     advantages = torch.randn(len(prompts), generator=generator)
     return rollout, advantages
+
+
+def mismatched(rollout):
+    """The rollout with its log-probs perturbed, as if a low-precision copy had sampled it."""
+    noise = 0.3 * torch.randn(rollout.logprobs.shape, generator=torch.Generator().manual_seed(2))
+    return dataclasses.replace(rollout, logprobs=rollout.logprobs + noise * rollout.response_mask)
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -139,14 +150,15 @@ def worker_trainer(out: Path) -> None:
     groups = rank_groups(GROUPS, ctx.rank, ctx.world_size)
     rows = torch.arange(groups.start * GROUP_SIZE, groups.stop * GROUP_SIZE)
     gathered = {}
-    for variant in ("lora", "plain", "minibatches", "checkpointing"):
+    for variant in ("lora", "plain", "minibatches", "ais", "checkpointing"):
         policy = apply_lora(tiny_policy(), LORA) if variant == "lora" else tiny_policy()
         copies = {p: make_rollout_model(policy, p) for p in ("full", "mxfp4")}
         checkpointing = variant == "checkpointing"
         cfg = SimpleNamespace(**VARIANTS.get(variant, TRAIN_CFG), gradient_checkpointing=checkpointing)
         trainer = PolicyTrainer(policy, cfg)  # shards the policy: this process is one of 2 ranks
         assert is_sharded(policy)
-        metrics = trainer.step(rollout_rows(rollout, rows), advantages[rows])
+        batch = mismatched(rollout) if variant == "ais" else rollout
+        metrics = trainer.step(rollout_rows(batch, rows), advantages[rows])
         gathered[variant] = {n: full_tensor(p.detach()).clone() for n, p in policy.named_parameters()}
         gathered[variant + "_metrics"] = metrics
         if variant == "lora":  # each rank's copy holds W + (alpha / r) B A of the gathered adapters
@@ -271,8 +283,8 @@ def test_launch_command_and_bad_world_sizes(capsys):
 
 def test_two_ranks_step_equals_one_rank(tmp_path):
     """fp32: one step on 2 ranks (FSDP2, each on its own groups) gives the single-process parameters within
-    1e-5 relative, with and without gradient checkpointing, in two minibatches, and with LoRA adapters; weight
-    sync and the checkpoint round trip are checked on each rank inside the worker."""
+    1e-5 relative, with and without gradient checkpointing, in two minibatches, with AIS, and with LoRA
+    adapters; weight sync and the checkpoint round trip are checked on each rank inside the worker."""
     from bitrl.train.lora import apply_lora
     from bitrl.train.trainer import PolicyTrainer
 
@@ -286,9 +298,11 @@ def test_two_ranks_step_equals_one_rank(tmp_path):
         ("plain", tiny_policy()),
         ("lora", apply_lora(tiny_policy(), LORA)),
         ("minibatches", tiny_policy()),
+        ("ais", tiny_policy()),
     ):
         cfg = SimpleNamespace(**VARIANTS.get(variant, TRAIN_CFG))
-        metrics = PolicyTrainer(policy, cfg).step(rollout, advantages)
+        batch = mismatched(rollout) if variant == "ais" else rollout
+        metrics = PolicyTrainer(policy, cfg).step(batch, advantages)
         one_rank[variant] = (policy, metrics)
     one_rank["checkpointing"] = one_rank["plain"]  # the same update, activations recomputed
     for variant, (policy, metrics) in one_rank.items():
@@ -302,6 +316,9 @@ def test_two_ranks_step_equals_one_rank(tmp_path):
         got = gathered[variant + "_metrics"]
         for key in ("loss", "grad_norm", "mismatch_k1_kl", "mismatch_max_abs_dp"):
             assert got[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
+        if variant == "ais":  # a real correction: lambda well inside (0, 1)
+            assert 0.05 < metrics["ais_lambda"] < 0.95
+            assert got["ais_lambda"] == pytest.approx(metrics["ais_lambda"], rel=1e-5)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_DATA caps anonymous mappings on Linux only")

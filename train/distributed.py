@@ -141,6 +141,15 @@ def pad_to_global_width(rollout, pad_id: int):
 # -------------------------------------------------------------------------------------- loss and metrics
 
 
+def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """t summed over the ranks when data-parallel (a new tensor; t itself when not)."""
+    if not is_distributed():
+        return t
+    t = t.to(comm_device(), copy=True)
+    dist.all_reduce(t)
+    return t
+
+
 def global_counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, sequences) of a [B, T] bool mask as fp32 scalars, summed over ranks when data-parallel: the
     loss normalisers that make the ranks' gradients add up to the global batch's."""

@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 from bitrl.kernels import fused_linear_policy_loss
-from bitrl.kernels.core_algos import LossConfig, ais_coefficients, get_correction
+from bitrl.kernels.core_algos import LossConfig, ais_coefficients, ais_moments, get_correction
 from bitrl.rollout.engine import Rollout
 from bitrl.train.distributed import (
     call_as_forward,
@@ -24,6 +24,7 @@ from bitrl.train.distributed import (
     is_distributed,
     reduce_metrics,
     shard_policy,
+    sum_over_ranks,
 )
 from bitrl.train.logprobs import response_hidden_states, token_logprobs
 from bitrl.train.mismatch import mismatch_diagnostics
@@ -61,13 +62,21 @@ def micro_batches(rows: torch.Tensor, seq_len: int, token_budget: int) -> list[t
     return list(rows.split(max(1, token_budget // seq_len)))
 
 
+def loss_config(args: dict, log_rho, mask, name: str) -> LossConfig:
+    """The correction's LossConfig; AIS's batch statistics are those of the global batch (all ranks)."""
+    cfg = LossConfig(**args)
+    if name == "ais" and is_distributed():
+        cfg.ais_moments = sum_over_ranks(ais_moments(log_rho, mask, cfg))
+    return cfg
+
+
 def correction_weights(old, rollout_logprobs, mask, name: str, args: dict):
     """The rollout correction of a whole minibatch, from the old (trainer) and rollout log-probs: (weights
     [B, T] fp32 or None, keep [B, T] bool). Computed once per minibatch so that batch-level corrections (AIS)
     and token counts after masking do not depend on how the minibatch is split into micro-batches."""
     m = mask.float()
     log_rho = (old.float() - rollout_logprobs.float()) * m
-    result = get_correction(name)(log_rho, m, LossConfig(**args))
+    result = get_correction(name)(log_rho, m, loss_config(args, log_rho, m, name))
     keep = mask if result.keep is None else mask & result.keep
     weight = None if result.weight is None else result.weight.detach().float()
     return weight, keep
@@ -247,7 +256,8 @@ class PolicyTrainer:
         out.update(mismatch_diagnostics(*gather_rows(old, rollout.logprobs, mask)))  # over all ranks
         # AIS: log the batch coefficient the correction applied (old weights, before the updates)
         if cfg.correction == "ais":
-            coef = ais_coefficients(old - rollout.logprobs, mask, LossConfig(**cfg.correction_args))
+            log_rho = old - rollout.logprobs
+            coef = ais_coefficients(log_rho, mask, loss_config(cfg.correction_args, log_rho, mask, "ais"))
             out.update({f"ais_{k}": float(v) for k, v in coef.items()})
         out["old_logprobs_time_s"] = t_old
         out["update_time_s"] = time.perf_counter() - t0 - t_old
