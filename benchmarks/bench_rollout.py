@@ -144,7 +144,10 @@ def main(argv=None):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         for name in args.engines:  # warm-up: one-time costs (allocator, thread pools, compilation) untimed
             model.forward = compiled if name == "hf-static" else plain_forward
-            run_engine(name, model, prompts[:2], 2, -1, pad_id, 0, old_engine)
+            if name == "hf-static":  # compiled for these very shapes (batch, prompt width, cache length)
+                run_engine(name, model, prompts, args.new_tokens, -1, pad_id, 0, old_engine)
+            else:
+                run_engine(name, model, prompts[:2], 2, -1, pad_id, 0, old_engine)
         for workload in args.workloads:
             eos_id = -1 if workload == "fixed" else tokenizer.eos_token_id
             for rep in range(args.reps):
