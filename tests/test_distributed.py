@@ -314,7 +314,7 @@ def test_two_ranks_step_equals_one_rank(tmp_path):
         assert torch.linalg.vector_norm(got - want) <= 1e-5 * torch.linalg.vector_norm(want), variant
         assert (got - want).abs().max() <= 1e-5, variant
         got = gathered[variant + "_metrics"]
-        for key in ("loss", "grad_norm", "mismatch_k1_kl", "mismatch_max_abs_dp"):
+        for key in ("loss", "grad_norm", "entropy", "mismatch_k1_kl", "mismatch_max_abs_dp"):
             assert got[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
         if variant == "ais":  # a real correction: lambda well inside (0, 1)
             assert 0.05 < metrics["ais_lambda"] < 0.95

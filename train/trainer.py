@@ -217,8 +217,12 @@ class PolicyTrainer:
                 else:
                     sums[k] = sums.get(k, 0.0) + v * n
         out = {k: v if k in _MAX_METRICS + _MIN_METRICS else v / max(n_sum, 1.0) for k, v in sums.items()}
-        out["masked_frac"] = 1.0 - float(keep.sum()) / max(float(rollout.response_mask.sum()), 1.0)
-        return loss_sum, out
+        # the global minibatch's metrics (token means over all ranks), so that every minibatch counts alike
+        # in the step's average whatever the world size
+        out = reduce_metrics(out | {"loss": loss_sum}, weight=n_sum)
+        responses, _ = global_counts(rollout.response_mask)
+        out["masked_frac"] = 1.0 - float(n_tokens) / max(float(responses), 1.0)
+        return out.pop("loss"), out
 
     def step(self, rollout: Rollout, advantages: torch.Tensor) -> dict[str, float]:
         """advantages: [B] fp32, one per response. Returns averaged metrics of the update, with its time split
@@ -252,7 +256,7 @@ class PolicyTrainer:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 n_updates += 1
-        out = reduce_metrics({k: v / n_updates for k, v in sums.items()}, weight=float(mask.sum()))
+        out = {k: v / n_updates for k, v in sums.items()}
         out.update(mismatch_diagnostics(*gather_rows(old, rollout.logprobs, mask)))  # over all ranks
         # AIS: log the batch coefficient the correction applied (old weights, before the updates)
         if cfg.correction == "ais":
