@@ -275,6 +275,9 @@ def test_launch_command_and_bad_world_sizes(capsys):
     # refused before anything is spawned, with the setting to change
     assert main(["--nproc", "3", "rollout.prompts_per_step=4"]) == 2
     assert "rollout.prompts_per_step (4) must divide by the world size (3)" in capsys.readouterr().err
+    uneven = ["rollout.prompts_per_step=2", "rollout.group_size=3", "train.minibatches=2"]
+    assert main(["--nproc", "2", *uneven]) == 2
+    assert "train.minibatches (2) must divide each rank's rows (1 groups x 3" in capsys.readouterr().err
     assert main(["--nproc", "0"]) == 2
     assert "--nproc must be >= 1" in capsys.readouterr().err
     assert main(["train.fsdp_mixed_precision=fp8"]) == 2
