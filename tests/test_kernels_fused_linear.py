@@ -95,7 +95,10 @@ def test_as_accurate_as_unfused(dtype):
         if dtype == torch.float32:
             assert_close(a, r, atol=1e-6, rtol=1e-5, what=name)
     for k in ("clipfrac", "kl", "entropy", "ratio_mean", "is_weight_mean"):
-        assert_close(got[3][k], r64[3][k], atol=1e-4, rtol=1e-3, what=k)
+        # bf16 on CPU multiplies in bf16: the metrics inherit bf16-rounded logits, as the unfused path's do
+        assert_as_accurate(got[3][k], unf[3][k], r64[3][k], atol=1e-4, rtol=1e-3, what=k)
+        if dtype != torch.bfloat16:
+            assert_close(got[3][k], r64[3][k], atol=1e-4, rtol=1e-3, what=k)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "gspo", "gmpo", "cispo", "sapo", "vespo"])
