@@ -336,10 +336,11 @@ class TiledLinearSoftmax:
     Numerics: fp32 and fp64 inputs multiply in their dtype. bf16 inputs multiply in bf16 (the GEMM
     accumulates in fp32; its [c, vb] logits come out rounded to bf16, as in an unfused bf16 forward, and are
     upcast to fp32 at once for the softmax statistics and dz, which are fp32). dz is rounded to bf16 for the
-    two backward matmuls, as the unfused bf16 backward's d logits are. Each block's dW is one matmul over all
-    tokens of the tile (one rounding to bf16; several token chunks add their bf16 partials into an fp32 block
-    buffer), and each block's partial dh is added into an fp32 accumulator: nothing is summed in bf16 across
-    tiles. fp16 on CPU multiplies in fp32 (CPU fp16 GEMMs run 3-300x slower than fp32 ones).
+    two backward matmuls, as the unfused bf16 backward's d logits are. Each block's dW is one bf16 matmul
+    over all tokens of the tile, rounded once (when a tile cannot hold every token - beyond ~16k tokens at the
+    default budget - the block is summed by fp32 matmuls into an fp32 buffer and rounded once), and each
+    block's partial dh (rounded to bf16 by the matmul) is added into an fp32 accumulator: nothing is summed in
+    bf16 across tiles. fp16 on CPU multiplies in fp32 (CPU fp16 GEMMs run 3-300x slower than fp32 ones).
     """
 
     def __init__(
@@ -524,12 +525,15 @@ class TiledLinearSoftmax:
                 f = None if factor is None else factor[k0:k1].unsqueeze(-1)
                 if self.lowbuf is not None:
                     dzm = self.lowbuf[: dz.numel()].view_as(dz)
+                    if f is not None and (db is not None or dw_blk is not None):
+                        dz.mul_(f)  # the fp32 dz itself is used below
+                        f = None
                     if f is None:
                         dzm.copy_(dz)
                     else:
                         torch.mul(dz, f, out=dzm)
                     if db is not None:
-                        db[v0:v1] += dz.sum(0) if f is None else (dz * f).sum(0)
+                        db[v0:v1] += dz.sum(0)
                 else:
                     dzm = dz if f is None else dz.mul_(f)
                     if db is not None:
@@ -546,8 +550,8 @@ class TiledLinearSoftmax:
                         dw[v0:v1].addmm_(dzm.t(), h)
                     elif dw_blk is None:  # one token chunk: the matmul sums every token, one rounding
                         torch.mm(dzm.t(), h, out=dw[v0:v1])
-                    else:
-                        dw_blk[: v1 - v0] += dzm.t() @ h
+                    else:  # several token chunks: fp32 products and sums, one rounding per block
+                        dw_blk[: v1 - v0].addmm_(dz.t(), h.to(acc))
             if dw_blk is not None:
                 dw[v0:v1] = dw_blk[: v1 - v0]
         if dh is not None and dh_acc is not dh:

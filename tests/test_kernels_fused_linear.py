@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 
@@ -11,6 +12,7 @@ from test_kernels_helpers import LOW_DTYPES, assert_as_accurate, assert_close, n
 
 from bitrl.kernels import FusedLinearGRPOLoss, fused_linear_policy_loss, fused_linear_policy_loss_reference
 
+fl = importlib.import_module("bitrl.kernels.fused_logprobs")  # module, not the function
 D = torch.float64
 
 
@@ -102,14 +104,22 @@ def test_as_accurate_as_unfused(dtype):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "gspo", "gmpo", "cispo", "sapo", "vespo"])
-def test_chunking_is_exact_for_every_loss(loss_type):
+def test_chunking_is_exact_for_every_loss(loss_type, monkeypatch):
     h, w, y, old, adv, mask, ref, roll = _case(B=4, T=3, dtype=D, seed=2)
     kw = dict(KW, loss_type=loss_type, ref_logprobs=ref, rollout_logprobs=roll, loss_agg_mode="token-mean")
     ref_out = _run(fused_linear_policy_loss_reference, h, w, y, old, adv, mask, **kw)
-    for chunk in (1, 3, 100):
-        out = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", chunk_size=chunk, **kw)
-        for a, b in zip(out[:3], ref_out[:3]):
-            assert_close(a, b, atol=1e-10, rtol=1e-10)
+    # torch backend tiles (fp64 + entropy: 16 bytes per element): one; every token x blocks of 12 columns;
+    # 2 tokens x every column; 1 token x 20 columns
+    for tile_bytes, min_vocab in ((0, 256), (16 * 112, 8), (16 * 112, 256), (16 * 20, 256)):
+        monkeypatch.setattr(fl, "TILE_MIN_VOCAB", min_vocab)
+        if tile_bytes:
+            monkeypatch.setitem(fl.TILE_BYTES, "cpu", tile_bytes)
+        for chunk in (1, 3, 100, None):
+            out = _run(
+                fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", chunk_size=chunk, **kw
+            )
+            for a, b in zip(out[:3], ref_out[:3]):
+                assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
 def test_on_policy_ignore_index_bias_and_no_grad():
