@@ -205,6 +205,7 @@ def _torch_backend(
         chunk=max(1, rows_per_chunk * T),
         need_ent=need_ent,
         unit_temperature=unit_t,
+        op="loss",
         index=index,
     )
     lp_a, ent_a, lse, ez = eng.stats()
@@ -233,6 +234,7 @@ def _torch_backend(
             chunk=max(1, rows_per_chunk * T),
             need_ent=g_ent is not None,
             unit_temperature=unit_t,
+            op="loss",
             index=index,
         )
         dh, dw, db = eng.grad(g_lp, g_ent, lse, ez, need_h=need_h, need_w=need_w, need_b=need_b)
@@ -389,7 +391,7 @@ def fused_linear_policy_loss(
         and correction not in ("none", ["none"], ("none",))
     ):
         raise ValueError("old_logprobs: required for a rollout correction in fused_linear_policy_loss")
-    if chunk_size is None and impl == "torch":  # tiles are sized by TILE_BYTES
+    if chunk_size is None and impl == "torch":  # tiles are sized by TILE_BYTES["loss"]
         rows = max(1, B)
     elif chunk_size is None:
         rows = max(1, default_chunk_size(weight.shape[0], h2.device) // max(T, 1))

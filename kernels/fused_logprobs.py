@@ -296,22 +296,26 @@ class ChunkEngine:
 # ----------------------------------------------------------------------------------------------------------
 
 # Bytes of one [tokens, vocabulary] tile of the torch backend (its fp32 logits, the entropy buffer and the
-# low-precision matmul output together). On CPU a tile is a few tens of MiB: the working set stays small next
-# to the weight gradient (the op's output, which cannot shrink), while each tile's ops are large enough that
-# the ~15 passes per tile are not dominated by per-op overhead (on a loaded machine every parallel op waits
-# for a scheduler slice). On a GPU a tile spans the whole vocabulary of a chunk.
-TILE_BYTES = {"cpu": 24 * 2**20, "cuda": 1024 * 2**20}
+# low-precision matmul output together), per op and device. Larger tiles mean fewer, larger ops (on a loaded
+# CPU every parallel op also waits for a scheduler slice, so ~15 passes per tile add up); smaller tiles a
+# smaller working set. fused_logprobs: 128 MiB on CPU, like the Triton path's chunks. The loss op
+# (fused_linear_policy_loss) runs its gradient pass inside the forward, next to the weight gradient it
+# returns: 24 MiB on CPU keeps its whole working set under half of Liger-Kernel's. On a GPU a tile spans the
+# whole vocabulary of a chunk.
+TILE_BYTES = {
+    "logprobs": {"cpu": 128 * 2**20, "cuda": 1024 * 2**20},
+    "loss": {"cpu": 24 * 2**20, "cuda": 1024 * 2**20},
+}
 TILE_MIN_VOCAB = 256  # a tile holds every token when that leaves at least this many vocabulary columns
 VOCAB_ALIGN = 64  # vocabulary tiles are multiples of this (below it, any size: the tests use tiny tiles)
 
 
-def tile_shape(n: int, V: int, chunk: int, elem_bytes: int, device: torch.device) -> tuple[int, int]:
-    """(tokens, vocabulary columns) of one tile within the device's byte budget, ``chunk`` tokens at most.
+def tile_shape(n: int, V: int, chunk: int, elem_bytes: int, budget: int) -> tuple[int, int]:
+    """(tokens, vocabulary columns) of one tile within ``budget`` bytes, ``chunk`` tokens at most.
 
     Tokens first: when a tile holds all n tokens, each block's weight gradient is one matmul over every token
     (no accumulation across tiles) and the hidden rows are gathered once."""
-    dev = device.type if device.type in TILE_BYTES else "cpu"
-    elems = max(1, TILE_BYTES[dev] // elem_bytes)
+    elems = max(1, budget // elem_bytes)
     c = max(1, min(n, chunk, max(1, elems // min(V, TILE_MIN_VOCAB))))
     vb = max(1, elems // c)
     if vb >= V:
@@ -344,8 +348,9 @@ class TiledLinearSoftmax:
     """
 
     def __init__(
-        self, hidden, weight, bias, y, valid, inv_t, *, chunk, need_ent, unit_temperature, index=None
+        self, hidden, weight, bias, y, valid, inv_t, *, chunk, need_ent, unit_temperature, op, index=None
     ):
+        """``op``: "logprobs" or "loss", whose ``TILE_BYTES`` budget sizes the tiles."""
         self.hidden, self.weight = hidden, weight
         self.index = index
         self.acc = acc_dtype(hidden)
@@ -362,7 +367,9 @@ class TiledLinearSoftmax:
         low = 0 if self.mm == self.acc else torch.finfo(self.mm).bits // 8
         acc_bytes = torch.finfo(self.acc).bits // 8
         elem = acc_bytes * (2 if need_ent else 1) + low
-        self.c, self.vb = tile_shape(self.n, V, chunk, elem, hidden.device)
+        budgets = TILE_BYTES[op]
+        budget = budgets.get(hidden.device.type, budgets["cpu"])
+        self.c, self.vb = tile_shape(self.n, V, chunk, elem, budget)
         dev = hidden.device
         size = self.c * self.vb
         self.zbuf = torch.empty(size, dtype=self.acc, device=dev)
@@ -816,6 +823,7 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 chunk=chunk,
                 need_ent=need_ent,
                 unit_temperature=unit_t,
+                op="logprobs",
                 index=index,
             )
             lp_a, ent_a, lse, ez = eng.stats()
@@ -877,6 +885,7 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 chunk=chunk,
                 need_ent=g_ent is not None,
                 unit_temperature=unit_t,
+                op="logprobs",
                 index=index,
             )
             sel = (lambda x: x) if index is None else (lambda x: x[index])
@@ -981,7 +990,9 @@ def fused_logprobs(
     else:
         if chunk_size:
             chunk = int(chunk_size)
-        elif impl == "torch":  # tiles are sized by TILE_BYTES; a tile spans every token when it can
+        elif (
+            impl == "torch"
+        ):  # tiles are sized by TILE_BYTES["logprobs"]; a tile spans every token when it can
             chunk = max(1, hidden.shape[0])
         else:
             chunk = default_chunk_size(weight.shape[0], hidden.device)

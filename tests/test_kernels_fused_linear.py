@@ -113,7 +113,7 @@ def test_chunking_is_exact_for_every_loss(loss_type, monkeypatch):
     for tile_bytes, min_vocab in ((0, 256), (16 * 112, 8), (16 * 112, 256), (16 * 20, 256)):
         monkeypatch.setattr(fl, "TILE_MIN_VOCAB", min_vocab)
         if tile_bytes:
-            monkeypatch.setitem(fl.TILE_BYTES, "cpu", tile_bytes)
+            monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", tile_bytes)
         for chunk in (1, 3, 100, None):
             out = _run(
                 fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", chunk_size=chunk, **kw

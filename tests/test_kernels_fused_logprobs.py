@@ -73,12 +73,12 @@ NAMES = ("logprobs", "entropy", "d_hidden", "d_weight", "d_bias")
 @contextlib.contextmanager
 def _tile_bytes(nbytes: int):
     """Shrink the torch backend's CPU tiles (0: leave them) so small cases span several tiles."""
-    old = fl.TILE_BYTES["cpu"]
-    fl.TILE_BYTES["cpu"] = nbytes or old
+    old = fl.TILE_BYTES["logprobs"]["cpu"]
+    fl.TILE_BYTES["logprobs"]["cpu"] = nbytes or old
     try:
         yield
     finally:
-        fl.TILE_BYTES["cpu"] = old
+        fl.TILE_BYTES["logprobs"]["cpu"] = old
 
 
 # (tile bytes, chunk_size): one tile; every token in each tile with 3 vocabulary blocks (a bf16 tile element
