@@ -23,12 +23,14 @@ import torch
 
 from ._common import FLOAT_DTYPES, check_tensor, compute_dtype, resolve_impl
 from .fused_logprobs import (
+    TILE_BYTES,
     ChunkEngine,
     TiledLinearSoftmax,
     acc_dtype,
     check_linear_outputs,
     default_chunk_size,
     fused_logprobs,
+    tile_matmul_dtype,
     validate_linear_inputs,
 )
 from .policy_loss import (
@@ -77,7 +79,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         index = active.nonzero().squeeze(1)
         starts = torch.arange(0, B + rows_per_chunk, rows_per_chunk, device=index.device).clamp(max=B) * T
         bounds = torch.searchsorted(index, starts).tolist()
-        if backend == "torch":
+        if _tiled(backend, hidden):
             dh, dw, db, total, parts_acc = _torch_backend(
                 hidden,
                 weight,
@@ -163,6 +165,15 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
             return g if unit else g * grad_out.to(g.dtype)
 
         return (sc(dh), sc(dw), sc(db)) + (None,) * 10
+
+
+def _tiled(backend: str, hidden: torch.Tensor) -> bool:
+    """The torch backend with low-precision weights (bf16) runs over tiles, in two passes (4 matmuls), so
+    that the weight gradient is written block by block in its dtype: accumulating it over token chunks, as
+    the single pass does (3 matmuls), would need an fp32 [V, H] buffer beside it. fp32 (fp64) weights, and
+    fp16 ones on CPU (multiplied in fp32), accumulate in place in the fp32 gradient: the single pass, in
+    chunks of ``TILE_BYTES["loss"]`` of logits."""
+    return backend == "torch" and tile_matmul_dtype(hidden) != acc_dtype(hidden)
 
 
 def _evaluate(lp_rows, ent_rows, plan, rows, use_triton_loss, need_grad, ent_grad):
@@ -391,10 +402,14 @@ def fused_linear_policy_loss(
         and correction not in ("none", ["none"], ("none",))
     ):
         raise ValueError("old_logprobs: required for a rollout correction in fused_linear_policy_loss")
-    if chunk_size is None and impl == "torch":  # tiles are sized by TILE_BYTES["loss"]
+    if chunk_size is None and _tiled(impl, h2):  # tiles are sized by TILE_BYTES["loss"]
         rows = max(1, B)
     elif chunk_size is None:
-        rows = max(1, default_chunk_size(weight.shape[0], h2.device) // max(T, 1))
+        budget = None
+        if impl == "torch":
+            budgets = TILE_BYTES["loss"]
+            budget = budgets.get(h2.device.type, budgets["cpu"])
+        rows = max(1, default_chunk_size(weight.shape[0], h2.device, budget) // max(T, 1))
     else:
         rows = int(chunk_size)
         if rows <= 0:

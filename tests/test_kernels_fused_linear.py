@@ -54,8 +54,11 @@ KW = dict(
 )
 
 
+@pytest.mark.parametrize("tile_bytes", [0, 10 * 20], ids=["one-tile", "small-tiles"])
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
-def test_as_accurate_as_unfused(dtype):
+def test_as_accurate_as_unfused(dtype, tile_bytes, monkeypatch):
+    if tile_bytes:  # bf16 runs over tiles (10 bytes per element with entropy): 1 token x 20 columns
+        monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", tile_bytes)
     h, w, y, old, adv, mask, ref, roll = _case(dtype=dtype)
     args64 = [x.double() if x.is_floating_point() else x for x in (h, w, y, old, adv, mask)]
     r64 = _run(
@@ -93,7 +96,10 @@ def test_as_accurate_as_unfused(dtype):
     )
     for name, a, u, r in zip(("loss", "d_hidden", "d_weight"), got[:3], unf[:3], r64[:3]):
         assert a.dtype == (torch.float32 if name == "loss" else dtype)
-        assert_as_accurate(a, u, r, atol=1e-6, rtol=1e-5, what=f"{dtype} {name}")
+        # bf16 over several vocabulary blocks: each block's partial dh leaves its matmul rounded to bf16 (then
+        # summed in fp32), one rounding more than the unfused single matmul: up to 2^-8 of |dh| more
+        rtol = 2.0**-8 if (name == "d_hidden" and dtype == torch.bfloat16 and tile_bytes) else 1e-5
+        assert_as_accurate(a, u, r, atol=1e-6, rtol=rtol, what=f"{dtype} {name}")
         if dtype == torch.float32:
             assert_close(a, r, atol=1e-6, rtol=1e-5, what=name)
     for k in ("clipfrac", "kl", "entropy", "ratio_mean", "is_weight_mean"):
