@@ -506,8 +506,10 @@ class TiledLinearSoftmax:
             factor = -torch.sign(g_lp)
             onehot = -g_lp.abs()  # added at the target before the multiply: factor * (-|g|) = g
         else:
+            # dz = p (-g_lp - g_H (z - E_p[z])) = p (a (z - lse) + b),
+            # a = -g_H, b = -g_H (lse - E_p[z]) - g_lp
             shift, factor = lse, None
-            zm_ez = lse - ez  # z - E_p[z] = (z - lse) + (lse - E_p[z])
+            a_ent, b_ent = -g_ent, -g_ent * (lse - ez) - g_lp
         if self.scale:
             factor = self.inv_t if factor is None else factor * self.inv_t
         for v0 in range(0, V, self.vb):
@@ -526,8 +528,8 @@ class TiledLinearSoftmax:
                 else:
                     p = self.ebuf[: z.numel()].view_as(z)
                     torch.exp(z, out=p)
-                    gl, ge = g_lp[k0:k1].unsqueeze(-1), g_ent[k0:k1].unsqueeze(-1)
-                    dz = z.add_(zm_ez[k0:k1].unsqueeze(-1)).mul_(-ge).sub_(gl).mul_(p)
+                    ab = (b_ent[k0:k1].unsqueeze(-1), z, a_ent[k0:k1].unsqueeze(-1))
+                    dz = torch.addcmul(*ab, out=z).mul_(p)  # two passes
                     dz.scatter_add_(1, col, torch.where(inb, g_lp[k0:k1], 0.0).unsqueeze(-1))
                 f = None if factor is None else factor[k0:k1].unsqueeze(-1)
                 if self.lowbuf is not None:
