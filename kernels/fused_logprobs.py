@@ -6,16 +6,20 @@ Implementations (``impl=``, or ``BITRL_KERNEL_IMPL``):
 
 * ``"reference"`` - the naive unfused torch formula (``linear -> /T -> log_softmax -> gather``) in the input
   dtype. The tests run it in fp64 as ground truth and in the native dtype as the "unfused" baseline.
-* ``"torch"`` - chunked over tokens: each chunk's logits are computed (fp32 accumulation), reduced to
-  (log-prob, entropy, log-sum-exp, E_p[z]) and dropped. Backward recomputes the chunk's logits, forms
-  dz = g_lp (onehot - p) - g_H p (z - E_p[z]) in place, and accumulates dW in fp32. The entropy term is only
-  formed when the entropy output received a gradient.
-* ``"triton"`` - the same chunking, with the per-row online log-sum-exp (running max, sum exp, sum p*z, tiled
-  over the vocabulary) and the in-place gradient as Triton kernels; matmuls stay on cuBLAS.
+* ``"torch"`` - the CPU path (``TiledLinearSoftmax``): the logits are visited in [tokens x vocabulary]
+  tiles sized by ``TILE_BYTES`` - an online log-sum-exp over the vocabulary blocks gives log-prob, entropy,
+  log-sum-exp and E_p[z] per token; the backward revisits the tiles, forms
+  dz = g_lp (onehot - p) - g_H p (z - E_p[z]) and writes dW block by block (no forward recomputation, no
+  [V, H] buffer beside the gradient). The entropy term is only formed when the entropy received a gradient.
+* ``"triton"`` - chunked over tokens (``ChunkEngine``): each chunk's logits are reduced by Triton row kernels
+  (per-row online log-sum-exp tiled over the vocabulary) and dropped; backward recomputes them and the
+  in-place gradient kernel forms dz; matmuls stay on cuBLAS with fp32 accumulation, dW accumulates in fp32.
 
-Numerics: log-sum-exp, entropy and dW accumulate in fp32 (fp64 when the inputs are fp64). ``-inf`` logits
-(for instance from a ``-inf`` bias entry masking part of the vocabulary) are clamped to -1e30 so that
-p = 0 there exactly and no NaN appears (a target on such an entry gets log-prob about -1e30).
+Numerics: log-sum-exp, entropy and dW accumulate in fp32 (fp64 when the inputs are fp64). On the torch
+backend, bf16 inputs multiply in bf16 (fp32 accumulation inside the GEMM, logits rounded to bf16 once, as in
+the unfused bf16 path, then fp32 for everything else; see ``TiledLinearSoftmax``), fp16 inputs on CPU in
+fp32. ``-inf`` logits (for instance from a ``-inf`` bias entry masking part of the vocabulary) are clamped to
+-1e30 so that p = 0 there exactly and no NaN appears (a target on such an entry gets log-prob about -1e30).
 Non-finite hidden/weight values, NaN or +inf in the bias, and non-positive temperatures raise
 ``ValueError``. Rows whose target is ``ignore_index`` get log-prob 0 and entropy 0 and no gradient.
 """
