@@ -10,6 +10,11 @@ returns ``(loss, metrics)`` exactly like ``policy_loss`` applied to ``fused_logp
 * the batch-wide parts (rollout corrections, masks, normalisers) come from ``policy_loss.build_plan``, so
   a chunked result equals the unchunked one.
 
+On the torch backend (CPU), bf16 weights take two passes over [tokens x vocabulary] tiles instead
+(``TiledLinearSoftmax``: log-probs first, then the loss gradient for the whole batch, then d hidden / d weight
+tile by tile, 4 matmuls) so that the bf16 weight gradient is written block by block without an fp32 [V, H]
+accumulator beside it; see ``_tiled``.
+
 ``FusedLinearGRPOLoss`` is an ``nn.Module`` whose constructor and forward accept the arguments of
 Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (same meaning, same ``(loss, metrics_tuple)`` return), plus
 bitrl's extras (rollout corrections, KL estimator choice, entropy bonus, dual clip, implementation).
@@ -314,7 +319,8 @@ def fused_linear_policy_loss(
 
     All loss options are those of ``policy_loss``. ``compute_entropy`` adds the entropy metric (it is
     computed anyway when ``entropy_coef != 0``). ``chunk_size`` is the number of *sequences* per chunk
-    (default: about 128 MiB of fp32 logits per chunk on CPU, 1 GiB on CUDA). Returns ``(loss, metrics)``
+    (default: about 1 GiB of fp32 logits per chunk on CUDA, ``TILE_BYTES["loss"]`` (24 MiB) on the torch
+    backend, whose bf16 tiles hold every sequence when they can). Returns ``(loss, metrics)``
     like ``policy_loss``.
     """
     check_tensor("targets", targets, ndim=2, dtypes=(torch.int64, torch.int32))
