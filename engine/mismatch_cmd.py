@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
+from bitrl.integrations.external import read_external, read_external_dump
 from bitrl.rollout.engine import Rollout, left_pad
+from bitrl.train.mismatch import mismatch_diagnostics
 
 USAGE_EXAMPLES = """examples:
   bitrl mismatch --demo --rollout-precision mxfp4
@@ -23,49 +25,6 @@ USAGE_EXAMPLES = """examples:
   bitrl mismatch --model DIR --external vllm_logprobs.jsonl
 external file: one JSON object per line, {"prompt_ids": [int], "response_ids": [int], "logprobs": [float]},
 logprobs[i] being the engine's log-prob of response_ids[i] (after its temperature / top-k / top-p)."""
-
-
-def read_external(path: str | Path, vocab_size: int | None = None) -> list[dict]:
-    """Parse and validate an external log-prob file; errors name the line and the field."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--external: no such file {str(path)!r}")
-    rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected an object with prompt_ids, response_ids and logprobs")
-        for field in ("prompt_ids", "response_ids", "logprobs"):
-            if field not in row:
-                raise ValueError(f"{where}: missing field {field!r}")
-            if not isinstance(row[field], list) or not row[field]:
-                raise ValueError(f"{where}: field {field!r} must be a non-empty list")
-        for field in ("prompt_ids", "response_ids"):
-            bad = [
-                x for x in row[field] if not isinstance(x, int) or x < 0 or (vocab_size and x >= vocab_size)
-            ]
-            if bad:
-                raise ValueError(
-                    f"{where}: field {field!r} holds {bad[0]!r}, not a token id in [0, {vocab_size})"
-                )
-        if len(row["logprobs"]) != len(row["response_ids"]):
-            raise ValueError(
-                f"{where}: field 'logprobs' has {len(row['logprobs'])} values for "
-                f"{len(row['response_ids'])} response tokens"
-            )
-        for x in row["logprobs"]:
-            if not isinstance(x, int | float) or not math.isfinite(x) or x > 1e-6:
-                raise ValueError(f"{where}: field 'logprobs' holds {x!r}, not a finite log-probability <= 0")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    return rows
 
 
 def rollout_from_rows(rows: list[dict], pad_id: int) -> Rollout:
@@ -135,11 +94,73 @@ def plot(train_lp, rollout_lp, by_position, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str]) -> int:
-    from bitrl.integrations.external import maybe_run_external  # TRL / verl rollout dumps
+def summarize(train_lp, rollout_lp, mask, label: str) -> dict:
+    """The report: bitrl's mismatch diagnostics over the unmasked tokens and the k3 divergence by position."""
+    return {
+        "comparison": label,
+        "num_sequences": int(mask.shape[0]),
+        "num_tokens": int(mask.sum()),
+        **mismatch_diagnostics(train_lp, rollout_lp, mask),
+        "k3_by_position": per_position(train_lp, rollout_lp, mask),
+    }
 
+
+def write_report(summary: dict, train_lp, rollout_lp, mask, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mismatch.json").write_text(json.dumps(summary, indent=2))
+    plot(
+        train_lp[mask],
+        rollout_lp[mask],
+        summary["k3_by_position"],
+        out / "mismatch.png",
+        summary["comparison"],
+    )
+    print(json.dumps({k: v for k, v in summary.items() if k != "k3_by_position"}, indent=2))
+    print(f"wrote {out / 'mismatch.json'} and {out / 'mismatch.png'}")
+
+
+def run_trainer_dump(argv: list[str]) -> int | None:
+    """A TRL / verl rollout dump given to --external: an exit code when it holds both sides (reported here
+    without a model), else ``None`` - after converting a verl dump to the plain external format in ``argv``,
+    for --model to rescore."""
+    if "--external" not in argv:
+        return None
+    parser = argparse.ArgumentParser(prog="bitrl mismatch", add_help=False)
+    parser.add_argument("--external")
+    parser.add_argument("--model")
+    parser.add_argument("--out", default="runs/mismatch")
+    args, _ = parser.parse_known_args(argv)
+    try:
+        dump = read_external_dump(args.external)
+        if dump is None:
+            return None  # bitrl's plain external format: the usual path
+        if "train_logprobs" not in dump:
+            if not args.model:
+                raise ValueError(
+                    f"{args.external}: holds the rollout side only; pass --model DIR to rescore it"
+                )
+            rows = [
+                {"prompt_ids": p, "response_ids": r, "logprobs": lp[m].tolist()}
+                for p, r, lp, m in zip(
+                    dump["prompt_ids"], dump["response_ids"], dump["rollout_logprobs"], dump["mask"]
+                )
+            ]
+            converted = Path(tempfile.mkdtemp()) / (Path(args.external).stem + ".jsonl")
+            converted.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            argv[argv.index("--external") + 1] = str(converted)
+            return None
+        train, rollout, mask = dump["train_logprobs"], dump["rollout_logprobs"], dump["mask"]
+        summary = summarize(train, rollout, mask, f"{dump['source']} dump: trainer vs rollout log-probs")
+    except ValueError as e:
+        print(f"bitrl mismatch: {e}", file=sys.stderr)
+        return 2
+    write_report(summary, train, rollout, mask, Path(args.out))
+    return 0
+
+
+def main(argv: list[str]) -> int:
     argv = list(argv)
-    handled = maybe_run_external(argv)
+    handled = run_trainer_dump(argv)
     if handled is not None:
         return handled
     parser = argparse.ArgumentParser(
@@ -195,7 +216,6 @@ def run(args) -> int:
     from bitrl.rollout.engine import generate
     from bitrl.rollout.precision import PRECISIONS, make_rollout_model
     from bitrl.train.logprobs import token_logprobs
-    from bitrl.train.mismatch import mismatch_diagnostics
 
     if args.rollout_precision not in PRECISIONS:
         raise ValueError(f"--rollout-precision must be one of {PRECISIONS}, got {args.rollout_precision!r}")
@@ -241,17 +261,7 @@ def run(args) -> int:
     with torch.no_grad():
         train_lp, _ = token_logprobs(policy, rollout, args.temperature, with_entropy=False)
     mask = rollout.response_mask
-    summary = {
-        "comparison": label,
-        "num_sequences": int(mask.shape[0]),
-        "num_tokens": int(mask.sum()),
-        **mismatch_diagnostics(train_lp, rollout.logprobs, mask),
-        "k3_by_position": per_position(train_lp, rollout.logprobs, mask),
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "mismatch.json").write_text(json.dumps(summary, indent=2))
-    plot(train_lp[mask], rollout.logprobs[mask], summary["k3_by_position"], out / "mismatch.png", label)
-    print(json.dumps({k: v for k, v in summary.items() if k != "k3_by_position"}, indent=2))
-    print(f"wrote {out / 'mismatch.json'} and {out / 'mismatch.png'}")
+    write_report(
+        summarize(train_lp, rollout.logprobs, mask, label), train_lp, rollout.logprobs, mask, Path(args.out)
+    )
     return 0

@@ -13,24 +13,24 @@ Formats (detected from the content):
   is present too (a batch dumped after the trainer's forward) it is used directly, otherwise the tokens are
   rescored by ``--model DIR`` through bitrl mismatch's usual ``--external`` path.
 
-``maybe_run_external(argv)`` is the hook ``bitrl mismatch`` calls first: it handles a dump that already holds
-both sides (no model needed), converts a verl dump to the plain external format when ``--model`` is given,
-and otherwise leaves the arguments alone.
+* bitrl's plain format, for any other engine: one JSON object per line, ``{"prompt_ids": [int],
+  "response_ids": [int], "logprobs": [float]}`` (``read_external``), rescored by ``bitrl mismatch --model``.
+
+Only readers live here (integrations depend on kernels and train only); ``bitrl mismatch``
+(``engine/mismatch_cmd.py``) turns what they return into its report.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import pickle
-import sys
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-__all__ = ["read_external_dump", "maybe_run_external", "mismatch_report"]
+__all__ = ["read_jsonl", "read_external", "read_external_dump"]
 
 
 def _pad(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,16 +43,61 @@ def _pad(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
     return values, mask
 
 
-def _read_trl_jsonl(path: Path) -> dict:
-    train, rollout = [], []
+def read_jsonl(path: str | Path) -> Iterator[tuple[str, object]]:
+    """(``"FILE:LINE"``, parsed object) for each non-blank line; a line that is not JSON raises ``ValueError``
+    naming it."""
+    path = Path(path)
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
         try:
-            row = json.loads(line)
+            yield where, json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+
+
+def read_external(path: str | Path, vocab_size: int | None = None) -> list[dict]:
+    """Parse and validate bitrl's plain external log-prob file; errors name the line and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--external: no such file {str(path)!r}")
+    rows = []
+    for where, row in read_jsonl(path):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected an object with prompt_ids, response_ids and logprobs")
+        for field in ("prompt_ids", "response_ids", "logprobs"):
+            if field not in row:
+                raise ValueError(f"{where}: missing field {field!r}")
+            if not isinstance(row[field], list) or not row[field]:
+                raise ValueError(f"{where}: field {field!r} must be a non-empty list")
+        for field in ("prompt_ids", "response_ids"):
+            bad = [
+                x for x in row[field] if not isinstance(x, int) or x < 0 or (vocab_size and x >= vocab_size)
+            ]
+            if bad:
+                raise ValueError(
+                    f"{where}: field {field!r} holds {bad[0]!r}, not a token id in [0, {vocab_size})"
+                )
+        if len(row["logprobs"]) != len(row["response_ids"]):
+            raise ValueError(
+                f"{where}: field 'logprobs' has {len(row['logprobs'])} values for "
+                f"{len(row['response_ids'])} response tokens"
+            )
+        for x in row["logprobs"]:
+            if not isinstance(x, int | float) or not math.isfinite(x) or x > 1e-6:
+                raise ValueError(f"{where}: field 'logprobs' holds {x!r}, not a finite log-probability <= 0")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def _read_trl_jsonl(path: Path) -> dict:
+    train, rollout = [], []
+    for where, row in read_jsonl(path):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected an object with old_logprobs and rollout_logprobs")
         for field in ("old_logprobs", "rollout_logprobs"):
             if not isinstance(row.get(field), list):
                 raise ValueError(f"{where}: missing list field {field!r}")
@@ -128,69 +173,3 @@ def read_external_dump(path: str | Path) -> dict | None:
     if isinstance(row, dict) and "old_logprobs" in row:
         return _read_trl_jsonl(path)
     return None
-
-
-def mismatch_report(dump: dict) -> dict:
-    """bitrl's mismatch diagnostics (``bitrl.train.mismatch``) and the k3 divergence by position."""
-    from bitrl.engine.mismatch_cmd import per_position
-    from bitrl.train.mismatch import mismatch_diagnostics
-
-    train, rollout, mask = dump["train_logprobs"], dump["rollout_logprobs"], dump["mask"]
-    return {
-        "comparison": f"{dump['source']} dump: trainer vs rollout log-probs",
-        "num_sequences": int(mask.shape[0]),
-        "num_tokens": int(mask.sum()),
-        **mismatch_diagnostics(train, rollout, mask),
-        "k3_by_position": per_position(train, rollout, mask),
-    }
-
-
-def maybe_run_external(argv: list[str]) -> int | None:
-    """The ``bitrl mismatch`` hook: an exit code when the dump was handled here, else ``None``."""
-    if "--external" not in argv:
-        return None
-    parser = argparse.ArgumentParser(prog="bitrl mismatch", add_help=False)
-    parser.add_argument("--external")
-    parser.add_argument("--model")
-    parser.add_argument("--demo", action="store_true")
-    parser.add_argument("--out", default="runs/mismatch")
-    args, _ = parser.parse_known_args(argv)
-    try:
-        dump = read_external_dump(args.external)
-        if dump is None:
-            return None  # bitrl's plain external format: the usual path
-        if "train_logprobs" not in dump:
-            if not args.model:
-                raise ValueError(
-                    f"{args.external}: holds the rollout side only; pass --model DIR to rescore it"
-                )
-            rows = [
-                {"prompt_ids": p, "response_ids": r, "logprobs": lp[m].tolist()}
-                for p, r, lp, m in zip(
-                    dump["prompt_ids"], dump["response_ids"], dump["rollout_logprobs"], dump["mask"]
-                )
-            ]
-            converted = Path(tempfile.mkdtemp()) / (Path(args.external).stem + ".jsonl")
-            converted.write_text("".join(json.dumps(row) + "\n" for row in rows))
-            argv[argv.index("--external") + 1] = str(converted)
-            return None
-        summary = mismatch_report(dump)
-    except ValueError as e:
-        print(f"bitrl mismatch: {e}", file=sys.stderr)
-        return 2
-    from bitrl.engine.mismatch_cmd import plot
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "mismatch.json").write_text(json.dumps(summary, indent=2))
-    m = dump["mask"]
-    plot(
-        dump["train_logprobs"][m],
-        dump["rollout_logprobs"][m],
-        summary["k3_by_position"],
-        out / "mismatch.png",
-        summary["comparison"],
-    )
-    print(json.dumps({k: v for k, v in summary.items() if k != "k3_by_position"}, indent=2))
-    print(f"wrote {out / 'mismatch.json'} and {out / 'mismatch.png'}")
-    return 0

@@ -10,6 +10,11 @@ returns ``(loss, metrics)`` exactly like ``policy_loss`` applied to ``fused_logp
 * the batch-wide parts (rollout corrections, masks, normalisers) come from ``policy_loss.build_plan``, so
   a chunked result equals the unchunked one.
 
+On the torch backend (CPU), bf16 weights take two passes over [tokens x vocabulary] tiles instead
+(``TiledLinearSoftmax``: log-probs first, then the loss gradient for the whole batch, then d hidden / d weight
+tile by tile, 4 matmuls) so that the bf16 weight gradient is written block by block without an fp32 [V, H]
+accumulator beside it; see ``_tiled``.
+
 ``FusedLinearGRPOLoss`` is an ``nn.Module`` whose constructor and forward accept the arguments of
 Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (same meaning, same ``(loss, metrics_tuple)`` return), plus
 bitrl's extras (rollout corrections, KL estimator choice, entropy bonus, dual clip, implementation).
@@ -23,11 +28,14 @@ import torch
 
 from ._common import FLOAT_DTYPES, check_tensor, compute_dtype, resolve_impl
 from .fused_logprobs import (
+    TILE_BYTES,
     ChunkEngine,
+    TiledLinearSoftmax,
     acc_dtype,
     check_linear_outputs,
     default_chunk_size,
     fused_logprobs,
+    tile_matmul_dtype,
     validate_linear_inputs,
 )
 from .policy_loss import (
@@ -69,12 +77,32 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         valid = targets != ignore_index
         y = torch.where(valid, targets, torch.zeros_like(targets)).long()
         use_triton_loss = backend == "triton" and triton_supported(plan) is None
+        ent_grad = need_grad and plan.entropy_coef != 0
         # only tokens that enter the loss are computed: padding, ignored and correction-masked tokens get no
         # logits and no matmul rows (their log-prob is never used)
         active = plan.mask.reshape(-1) > 0
         index = active.nonzero().squeeze(1)
         starts = torch.arange(0, B + rows_per_chunk, rows_per_chunk, device=index.device).clamp(max=B) * T
         bounds = torch.searchsorted(index, starts).tolist()
+        if _tiled(backend, hidden):
+            dh, dw, db, total, parts_acc = _torch_backend(
+                hidden,
+                weight,
+                bias,
+                y,
+                valid,
+                inv_t,
+                plan,
+                index,
+                rows_per_chunk,
+                need_ent,
+                need_grad,
+                (need_h, need_w, need_b),
+                unit_t,
+            )
+            out["parts"] = parts_acc
+            ctx.save_for_backward(dh, dw, db)
+            return total
         eng = ChunkEngine(
             hidden,
             weight,
@@ -93,7 +121,6 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_grad and need_b else None
         total = torch.zeros((), dtype=plan.mask.dtype, device=hidden.device)
         parts_acc = None
-        ent_grad = need_grad and plan.entropy_coef != 0
         for j, r0 in enumerate(range(0, B, rows_per_chunk)):
             r1 = min(B, r0 + rows_per_chunk)
             s = r0 * T
@@ -108,23 +135,9 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
                     ent_rows[pos] = ent_c
             lp_rows = lp_rows.view(r1 - r0, T)
             ent_rows = None if ent_rows is None else ent_rows.view(r1 - r0, T)
-            rows = slice(r0, r1)
-            if use_triton_loss:
-                loss_c, parts, g_lp, g_ent = evaluate_triton(lp_rows, ent_rows, plan, rows)
-            else:
-                with torch.enable_grad():
-                    lp_ = lp_rows.detach().to(plan.mask.dtype).requires_grad_(need_grad)
-                    ent_ = None
-                    if ent_rows is not None:
-                        ent_ = ent_rows.detach().to(plan.mask.dtype).requires_grad_(ent_grad)
-                    loss_c, parts = evaluate_rows(lp_, ent_, plan, rows)
-                    g_lp = g_ent = None
-                    if need_grad and loss_c.requires_grad:
-                        leaves = [lp_] + ([ent_] if ent_ is not None and ent_.requires_grad else [])
-                        grads = torch.autograd.grad(loss_c, leaves, allow_unused=True)
-                        g_lp = grads[0]
-                        g_ent = grads[1] if len(grads) > 1 else None
-                loss_c = loss_c.detach()
+            loss_c, parts, g_lp, g_ent = _evaluate(
+                lp_rows, ent_rows, plan, slice(r0, r1), use_triton_loss, need_grad, ent_grad
+            )
             total = total + loss_c
             parts_acc = merge_parts(parts_acc, parts)
             if need_grad and k1 > k0:
@@ -157,6 +170,96 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
             return g if unit else g * grad_out.to(g.dtype)
 
         return (sc(dh), sc(dw), sc(db)) + (None,) * 10
+
+
+def _tiled(backend: str, hidden: torch.Tensor) -> bool:
+    """The torch backend with low-precision weights (bf16) runs over tiles, in two passes (4 matmuls), so
+    that the weight gradient is written block by block in its dtype: accumulating it over token chunks, as
+    the single pass does (3 matmuls), would need an fp32 [V, H] buffer beside it. fp32 (fp64) weights, and
+    fp16 ones on CPU (multiplied in fp32), accumulate in place in the fp32 gradient: the single pass, in
+    chunks of ``TILE_BYTES["loss"]`` of logits."""
+    return backend == "torch" and tile_matmul_dtype(hidden) != acc_dtype(hidden)
+
+
+def _evaluate(lp_rows, ent_rows, plan, rows, use_triton_loss, need_grad, ent_grad):
+    """Loss of the sequences ``rows`` from their [r, T] log-probs (and entropies), with d loss / d lp (and
+    d loss / d entropy when ``ent_grad``): (loss, parts, g_lp | None, g_ent | None)."""
+    if use_triton_loss:
+        return evaluate_triton(lp_rows, ent_rows, plan, rows)
+    with torch.enable_grad():
+        lp_ = lp_rows.detach().to(plan.mask.dtype).requires_grad_(need_grad)
+        ent_ = None
+        if ent_rows is not None:
+            ent_ = ent_rows.detach().to(plan.mask.dtype).requires_grad_(ent_grad)
+        loss_c, parts = evaluate_rows(lp_, ent_, plan, rows)
+        g_lp = g_ent = None
+        if need_grad and loss_c.requires_grad:
+            leaves = [lp_] + ([ent_] if ent_ is not None and ent_.requires_grad else [])
+            grads = torch.autograd.grad(loss_c, leaves, allow_unused=True)
+            g_lp = grads[0]
+            g_ent = grads[1] if len(grads) > 1 else None
+    return loss_c.detach(), parts, g_lp, g_ent
+
+
+def _torch_backend(
+    hidden, weight, bias, y, valid, inv_t, plan, index, rows_per_chunk, need_ent, need_grad, needs, unit_t
+):
+    """The torch backend: log-probs of every active token over [tokens x vocabulary] tiles, the loss and its
+    gradient w.r.t. them for the whole batch at once ([B, T] work), then one gradient pass over the tiles.
+    Returns (dh, dW, db in the inputs' dtypes or None, loss, parts)."""
+    B, T = plan.mask.shape
+    acc = acc_dtype(hidden)
+    need_h, need_w, need_b = needs
+    ent_grad = need_grad and plan.entropy_coef != 0
+    eng = TiledLinearSoftmax(
+        hidden,
+        weight,
+        bias,
+        y,
+        valid,
+        inv_t,
+        chunk=max(1, rows_per_chunk * T),
+        need_ent=need_ent,
+        unit_temperature=unit_t,
+        op="loss",
+        index=index,
+    )
+    lp_a, ent_a, lse, ez = eng.stats()
+    lp = torch.zeros(B * T, dtype=acc, device=hidden.device)
+    lp[index] = lp_a
+    ent = None
+    if need_ent:
+        ent = torch.zeros_like(lp)
+        ent[index] = ent_a
+    total, parts, g_lp, g_ent = _evaluate(
+        lp.view(B, T), None if ent is None else ent.view(B, T), plan, slice(0, B), False, need_grad, ent_grad
+    )
+    dh = dw = db = None
+    if need_grad and index.numel():
+        g_lp = torch.zeros(B * T, dtype=acc, device=hidden.device) if g_lp is None else g_lp
+        g_lp = g_lp.reshape(-1)[index].to(acc)
+        g_ent = g_ent.reshape(-1)[index].to(acc) if (g_ent is not None and ent_grad) else None
+        del eng  # the gradient pass runs with the backward's tile shape (no entropy buffer if unused)
+        eng = TiledLinearSoftmax(
+            hidden,
+            weight,
+            bias,
+            y,
+            valid,
+            inv_t,
+            chunk=max(1, rows_per_chunk * T),
+            need_ent=g_ent is not None,
+            unit_temperature=unit_t,
+            op="loss",
+            index=index,
+        )
+        dh, dw, db = eng.grad(g_lp, g_ent, lse, ez, need_h=need_h, need_w=need_w, need_b=need_b)
+    elif need_grad:
+        dh = torch.zeros_like(hidden) if need_h else None
+        dw = torch.zeros_like(weight) if need_w else None
+        db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+    cast = lambda g, like: None if g is None or like is None else g.to(like.dtype)
+    return cast(dh, hidden), cast(dw, weight), cast(db, bias), total.to(plan.mask.dtype), parts
 
 
 def _flatten_hidden(hidden, B, T):
@@ -216,7 +319,8 @@ def fused_linear_policy_loss(
 
     All loss options are those of ``policy_loss``. ``compute_entropy`` adds the entropy metric (it is
     computed anyway when ``entropy_coef != 0``). ``chunk_size`` is the number of *sequences* per chunk
-    (default: about 128 MiB of fp32 logits per chunk on CPU, 1 GiB on CUDA). Returns ``(loss, metrics)``
+    (default: about 1 GiB of fp32 logits per chunk on CUDA, ``TILE_BYTES["loss"]`` (24 MiB) on the torch
+    backend, whose bf16 tiles hold every sequence when they can). Returns ``(loss, metrics)``
     like ``policy_loss``.
     """
     check_tensor("targets", targets, ndim=2, dtypes=(torch.int64, torch.int32))
@@ -304,8 +408,14 @@ def fused_linear_policy_loss(
         and correction not in ("none", ["none"], ("none",))
     ):
         raise ValueError("old_logprobs: required for a rollout correction in fused_linear_policy_loss")
-    if chunk_size is None:
-        rows = max(1, default_chunk_size(weight.shape[0], h2.device) // max(T, 1))
+    if chunk_size is None and _tiled(impl, h2):  # tiles are sized by TILE_BYTES["loss"]
+        rows = max(1, B)
+    elif chunk_size is None:
+        budget = None
+        if impl == "torch":
+            budgets = TILE_BYTES["loss"]
+            budget = budgets.get(h2.device.type, budgets["cpu"])
+        rows = max(1, default_chunk_size(weight.shape[0], h2.device, budget) // max(T, 1))
     else:
         rows = int(chunk_size)
         if rows <= 0:

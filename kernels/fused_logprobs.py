@@ -6,16 +6,20 @@ Implementations (``impl=``, or ``BITRL_KERNEL_IMPL``):
 
 * ``"reference"`` - the naive unfused torch formula (``linear -> /T -> log_softmax -> gather``) in the input
   dtype. The tests run it in fp64 as ground truth and in the native dtype as the "unfused" baseline.
-* ``"torch"`` - chunked over tokens: each chunk's logits are computed (fp32 accumulation), reduced to
-  (log-prob, entropy, log-sum-exp, E_p[z]) and dropped. Backward recomputes the chunk's logits, forms
-  dz = g_lp (onehot - p) - g_H p (z - E_p[z]) in place, and accumulates dW in fp32. The entropy term is only
-  formed when the entropy output received a gradient.
-* ``"triton"`` - the same chunking, with the per-row online log-sum-exp (running max, sum exp, sum p*z, tiled
-  over the vocabulary) and the in-place gradient as Triton kernels; matmuls stay on cuBLAS.
+* ``"torch"`` - the CPU path (``TiledLinearSoftmax``): the logits are visited in [tokens x vocabulary]
+  tiles sized by ``TILE_BYTES`` - an online log-sum-exp over the vocabulary blocks gives log-prob, entropy,
+  log-sum-exp and E_p[z] per token; the backward revisits the tiles, forms
+  dz = g_lp (onehot - p) - g_H p (z - E_p[z]) and writes dW block by block (no forward recomputation, no
+  [V, H] buffer beside the gradient). The entropy term is only formed when the entropy received a gradient.
+* ``"triton"`` - chunked over tokens (``ChunkEngine``): each chunk's logits are reduced by Triton row kernels
+  (per-row online log-sum-exp tiled over the vocabulary) and dropped; backward recomputes them and the
+  in-place gradient kernel forms dz; matmuls stay on cuBLAS with fp32 accumulation, dW accumulates in fp32.
 
-Numerics: log-sum-exp, entropy and dW accumulate in fp32 (fp64 when the inputs are fp64). ``-inf`` logits
-(for instance from a ``-inf`` bias entry masking part of the vocabulary) are clamped to -1e30 so that
-p = 0 there exactly and no NaN appears (a target on such an entry gets log-prob about -1e30).
+Numerics: log-sum-exp, entropy and dW accumulate in fp32 (fp64 when the inputs are fp64). On the torch
+backend, bf16 inputs multiply in bf16 (fp32 accumulation inside the GEMM, logits rounded to bf16 once, as in
+the unfused bf16 path, then fp32 for everything else; see ``TiledLinearSoftmax``), fp16 inputs on CPU in
+fp32. ``-inf`` logits (for instance from a ``-inf`` bias entry masking part of the vocabulary) are clamped to
+-1e30 so that p = 0 there exactly and no NaN appears (a target on such an entry gets log-prob about -1e30).
 Non-finite hidden/weight values, NaN or +inf in the bias, and non-positive temperatures raise
 ``ValueError``. Rows whose target is ``ignore_index`` get log-prob 0 and entropy 0 and no gradient.
 """
@@ -97,12 +101,21 @@ def fused_logprobs_reference(
 
 
 def matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    """Operand dtype for the logits matmul: native on CUDA (fp32 accumulation in cuBLAS), fp32 on CPU."""
+    """Operand dtype of the Triton backend's logits matmul: native on CUDA (fp32 accumulation and output in
+    cuBLAS), fp32 on CPU (the same products and sums as that fp32-output GEMM, for testing the GPU path)."""
     if x.dtype == torch.float64:
         return torch.float64
     if x.device.type == "cuda":
         return x.dtype
     return torch.float32
+
+
+def tile_matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """Operand dtype of the torch backend's matmuls: the input dtype, except fp16 on CPU (fp32: CPU fp16
+    GEMMs run 3-300x slower than fp32 ones). bf16 GEMMs accumulate in fp32 and round the result to bf16."""
+    if x.dtype == torch.float16 and x.device.type != "cuda":
+        return torch.float32
+    return x.dtype
 
 
 def acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -280,6 +293,286 @@ class ChunkEngine:
                 dw.addmm_(dzm.t(), h)
             else:
                 dw += mm_acc(dzm.t(), h, self.acc)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch backend: [tokens x vocabulary] tiles, statistics pass then gradient pass
+# ----------------------------------------------------------------------------------------------------------
+
+# Bytes of one [tokens, vocabulary] tile of the torch backend (its fp32 logits, the entropy buffer and the
+# low-precision matmul output together), per op and device. Larger tiles mean fewer, larger ops (on a loaded
+# CPU every parallel op also waits for a scheduler slice, so ~15 passes per tile add up); smaller tiles a
+# smaller working set. fused_logprobs: 128 MiB on CPU, like the Triton path's chunks. The loss op
+# (fused_linear_policy_loss) runs its gradient pass inside the forward, next to the weight gradient it
+# returns: 24 MiB on CPU keeps its whole working set under half of Liger-Kernel's. On a GPU a tile spans the
+# whole vocabulary of a chunk.
+TILE_BYTES = {
+    "logprobs": {"cpu": 128 * 2**20, "cuda": 1024 * 2**20},
+    "loss": {"cpu": 24 * 2**20, "cuda": 1024 * 2**20},
+}
+TILE_MIN_VOCAB = 256  # a tile holds every token when that leaves at least this many vocabulary columns
+VOCAB_ALIGN = 64  # vocabulary tiles are multiples of this (below it, any size: the tests use tiny tiles)
+
+
+def tile_shape(n: int, V: int, chunk: int, elem_bytes: int, budget: int) -> tuple[int, int]:
+    """(tokens, vocabulary columns) of one tile within ``budget`` bytes, ``chunk`` tokens at most.
+
+    Tokens first: when a tile holds all n tokens, each block's weight gradient is one matmul over every token
+    (no accumulation across tiles) and the hidden rows are gathered once."""
+    elems = max(1, budget // elem_bytes)
+    c = max(1, min(n, chunk, max(1, elems // min(V, TILE_MIN_VOCAB))))
+    vb = max(1, elems // c)
+    if vb >= V:
+        return c, V
+    return c, (vb // VOCAB_ALIGN * VOCAB_ALIGN if vb >= VOCAB_ALIGN else vb)
+
+
+class TiledLinearSoftmax:
+    """The torch backend of ``fused_logprobs`` and ``fused_linear_policy_loss``.
+
+    The [n, V] logits are visited in [c, vb] tiles (vocabulary blocks outside, token chunks inside), twice:
+
+    * ``stats()``: an online log-sum-exp over the vocabulary blocks (running max, sum exp, sum p*z per token),
+      giving log-prob, entropy, log-sum-exp and E_p[z] for every token;
+    * ``grad(g_lp, g_ent, lse, ez)``: each tile's logits are recomputed, turned into
+      dz = (g_lp (onehot - p) - g_H p (z - E_p[z])) / T and multiplied at once:
+      dW[block] (+)= dz^T h, dh[chunk] += dz W[block], db[block] += sum(dz).
+
+    Nothing is larger than a tile except the outputs and a [n, H] fp32 hidden-gradient accumulator (bf16):
+    the weight gradient is written block by block in its own dtype.
+
+    Numerics: fp32 and fp64 inputs multiply in their dtype. bf16 inputs multiply in bf16 (the GEMM
+    accumulates in fp32; its [c, vb] logits come out rounded to bf16, as in an unfused bf16 forward, and are
+    upcast to fp32 at once for the softmax statistics and dz, which are fp32). dz is rounded to bf16 for the
+    two backward matmuls, as the unfused bf16 backward's d logits are. Each block's dW is one bf16 matmul
+    over all tokens of the tile, rounded once (when a tile cannot hold every token - beyond ~16k tokens at the
+    default budget - the block is summed by fp32 matmuls into an fp32 buffer and rounded once), and each
+    block's partial dh (rounded to bf16 by the matmul) is added into an fp32 accumulator: nothing is summed in
+    bf16 across tiles. fp16 on CPU multiplies in fp32 (CPU fp16 GEMMs run 3-300x slower than fp32 ones).
+    """
+
+    def __init__(
+        self, hidden, weight, bias, y, valid, inv_t, *, chunk, need_ent, unit_temperature, op, index=None
+    ):
+        """``op``: "logprobs" or "loss", whose ``TILE_BYTES`` budget sizes the tiles."""
+        self.hidden, self.weight = hidden, weight
+        self.index = index
+        self.acc = acc_dtype(hidden)
+        self.mm = tile_matmul_dtype(hidden)
+        sel = (lambda x: x) if index is None else (lambda x: x[index])
+        self.y, self.valid, self.inv_t = sel(y), sel(valid), sel(inv_t).to(self.acc)
+        self.n = hidden.shape[0] if index is None else index.numel()
+        self.need_ent = need_ent
+        self.scale = not unit_temperature
+        # -inf bias entries (masked vocabulary) or an fp16 matmul output (overflow to inf) need clamping
+        self.clamp = self.mm == torch.float16 or (bias is not None and bool(torch.isinf(bias).any()))
+        self.bias = None if bias is None else bias.to(self.acc)
+        V = weight.shape[0]
+        low = 0 if self.mm == self.acc else torch.finfo(self.mm).bits // 8
+        acc_bytes = torch.finfo(self.acc).bits // 8
+        elem = acc_bytes * (2 if need_ent else 1) + low
+        budgets = TILE_BYTES[op]
+        budget = budgets.get(hidden.device.type, budgets["cpu"])
+        self.c, self.vb = tile_shape(self.n, V, chunk, elem, budget)
+        dev = hidden.device
+        size = self.c * self.vb
+        self.zbuf = torch.empty(size, dtype=self.acc, device=dev)
+        self.ebuf = torch.empty(size, dtype=self.acc, device=dev) if need_ent else None
+        self.lowbuf = torch.empty(size, dtype=self.mm, device=dev) if low else None
+        self.h_all = None
+        if self.c >= self.n and (index is not None or hidden.dtype != self.mm):
+            self.h_all = self._gather(0, self.n)  # one tile of tokens: gather the rows once
+
+    def _gather(self, k0: int, k1: int) -> torch.Tensor:
+        h = self.hidden[k0:k1] if self.index is None else self.hidden.index_select(0, self.index[k0:k1])
+        return h if h.dtype == self.mm else h.to(self.mm)
+
+    def _rows(self, k0: int, k1: int) -> torch.Tensor:
+        return self._gather(k0, k1) if self.h_all is None else self.h_all[k0:k1]
+
+    def _block(self, v0: int, v1: int) -> torch.Tensor:
+        w = self.weight[v0:v1]
+        return w if w.dtype == self.mm else w.to(self.mm)
+
+    def _logits(self, h, wb, v0, v1, k0, k1, shift=None):
+        """fp32 (fp64) logits of tokens [k0, k1) and vocabulary [v0, v1), scaled by 1/T, clamped, minus the
+        per-token ``shift`` when given (fused into the upcast where possible)."""
+        c, w = k1 - k0, v1 - v0
+        z = self.zbuf[: c * w].view(c, w)
+        if self.lowbuf is None:
+            torch.mm(h, wb.t(), out=z)
+            src = z
+        else:
+            src = self.lowbuf[: c * w].view(c, w)
+            torch.mm(h, wb.t(), out=src)
+        simple = self.bias is None and not self.scale and not self.clamp
+        if simple and shift is not None:
+            torch.sub(src, shift.unsqueeze(-1), out=z)  # upcast and shift in one pass
+            return z
+        if self.bias is not None:
+            torch.add(src, self.bias[v0:v1], out=z)
+        elif self.scale:
+            torch.mul(src, self.inv_t[k0:k1].unsqueeze(-1), out=z)
+        elif src is not z:
+            z.copy_(src)
+        if self.bias is not None and self.scale:
+            z.mul_(self.inv_t[k0:k1].unsqueeze(-1))
+        if self.clamp:
+            z.clamp_(min=NEG_LOGIT)
+        if shift is not None:
+            z.sub_(shift.unsqueeze(-1))
+        return z
+
+    def _low_logits(self, h, wb, k0, k1):
+        """The tile's logits in the low-precision matmul dtype when nothing else applies to them (no bias,
+        temperature 1, no clamping), else None (no matmul run)."""
+        if self.lowbuf is None or self.bias is not None or self.scale or self.clamp:
+            return None
+        low = self.lowbuf[: h.shape[0] * wb.shape[0]].view(h.shape[0], wb.shape[0])
+        return torch.mm(h, wb.t(), out=low)
+
+    def _target_col(self, k0, k1, v0, v1):
+        """(column of each token's target inside the block, clamped, and whether it lies in the block)."""
+        yc = self.y[k0:k1]
+        inb = (yc >= v0) & (yc < v1)
+        return (yc - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1), inb
+
+    def stats(self):
+        """(lp [n], entropy [n] | None, lse [n], E_p[z] [n]) over the active tokens, in the acc dtype."""
+        n, V = self.n, self.weight.shape[0]
+        dev, acc = self.hidden.device, self.acc
+        m = torch.full((n,), NEG_LOGIT, dtype=acc, device=dev)
+        s = torch.zeros(n, dtype=acc, device=dev)
+        t = torch.zeros(n, dtype=acc, device=dev)
+        zy = torch.zeros(n, dtype=acc, device=dev)
+        for v0 in range(0, V, self.vb):
+            v1 = min(V, v0 + self.vb)
+            wb = self._block(v0, v1)
+            for k0 in range(0, n, self.c):
+                k1 = min(n, k0 + self.c)
+                col, inb = self._target_col(k0, k1, v0, v1)
+                m_old = m[k0:k1]
+                low = self._low_logits(self._rows(k0, k1), wb, k0, k1)
+                if low is not None:  # bf16 logits as they are: the max and the target are exact in bf16
+                    m_new = torch.maximum(m_old, low.amax(dim=1).to(acc))
+                    zy[k0:k1] = torch.where(inb, low.gather(1, col).squeeze(1).to(acc), zy[k0:k1])
+                    z = self.zbuf[: low.numel()].view_as(low)
+                    torch.sub(low, m_new.unsqueeze(-1), out=z)  # upcast and shift in one pass
+                else:
+                    z = self._logits(self._rows(k0, k1), wb, v0, v1, k0, k1)
+                    zy[k0:k1] = torch.where(inb, z.gather(1, col).squeeze(1), zy[k0:k1])
+                    m_new = torch.maximum(m_old, z.amax(dim=1))
+                    z.sub_(m_new.unsqueeze(-1))
+                alpha = torch.exp(m_old - m_new)
+                s_old = s[k0:k1]
+                if self.need_ent:
+                    e = self.ebuf[: z.numel()].view_as(z)
+                    torch.exp(z, out=e)
+                    # sum p (z - m) relative to the running max, rescaled when the max moves
+                    t[k0:k1] = alpha * (t[k0:k1] + s_old * (m_old - m_new)) + _bmm_rowdot(e, z)
+                    s[k0:k1] = s_old * alpha + e.sum(1)
+                else:
+                    s[k0:k1] = s_old * alpha + z.exp_().sum(1)
+                m[k0:k1] = m_new
+        log_s = torch.log(s)
+        zero = torch.zeros((), dtype=acc, device=dev)
+        lp = torch.where(self.valid, (zy - m) - log_s, zero)  # relative to the max: no rounding at |z|
+        ts = t / s
+        ent = torch.where(self.valid, log_s - ts, zero) if self.need_ent else None
+        return lp, ent, m + log_s, m + ts
+
+    def grad(self, g_lp, g_ent, lse, ez, *, need_h=True, need_w=True, need_b=False):
+        """(dh [N, H] | None, dW [V, H] | None, db [V] fp32 | None), dh and dW in the matmul dtype.
+
+        ``g_lp``, ``g_ent`` (or None), ``lse``, ``ez``: [n] per active token (from ``stats``); rows that are
+        not active get a zero hidden gradient."""
+        n, (V, H) = self.n, self.weight.shape
+        N = self.hidden.shape[0]
+        dev, acc, mm = self.hidden.device, self.acc, self.mm
+        g_lp = g_lp.to(acc)
+        g_ent = None if g_ent is None else g_ent.to(acc)
+        # dh: accumulated across vocabulary blocks in fp32 (fp64): in place when the output is fp32 (fp64)
+        dh = dh_acc = None
+        if need_h:
+            dh = torch.zeros(N, H, dtype=mm, device=dev)
+            dh_acc = dh if mm == acc else torch.zeros(n, H, dtype=acc, device=dev)
+        # dW: blocks written once; in place when it is fp32 (fp64), else through a one-block fp32 buffer
+        dw = dw_blk = None
+        if need_w:
+            dw = torch.zeros(V, H, dtype=mm, device=dev)
+            if mm != acc and n > self.c:
+                dw_blk = torch.empty(self.vb, H, dtype=acc, device=dev)
+        db = torch.zeros(V, dtype=acc, device=dev) if need_b else None
+        if g_ent is None:
+            # dz = -g p = -sign(g) exp(z - lse + log|g|), rows scaled by 1/T: one exp pass and one multiply
+            # (the multiply also writes the low-precision copy for the matmuls)
+            shift = lse - torch.log(g_lp.abs())
+            factor = -torch.sign(g_lp)
+            onehot = -g_lp.abs()  # added at the target before the multiply: factor * (-|g|) = g
+        else:
+            # dz = p (-g_lp - g_H (z - E_p[z])) = p (a (z - lse) + b),
+            # a = -g_H, b = -g_H (lse - E_p[z]) - g_lp
+            shift, factor = lse, None
+            a_ent, b_ent = -g_ent, -g_ent * (lse - ez) - g_lp
+        if self.scale:
+            factor = self.inv_t if factor is None else factor * self.inv_t
+        for v0 in range(0, V, self.vb):
+            v1 = min(V, v0 + self.vb)
+            wb = self._block(v0, v1)
+            if dw_blk is not None:
+                dw_blk.zero_()
+            for k0 in range(0, n, self.c):
+                k1 = min(n, k0 + self.c)
+                h = self._rows(k0, k1)
+                z = self._logits(h, wb, v0, v1, k0, k1, shift=shift[k0:k1])
+                col, inb = self._target_col(k0, k1, v0, v1)
+                if g_ent is None:
+                    dz = z.exp_()
+                    dz.scatter_add_(1, col, torch.where(inb, onehot[k0:k1], 0.0).unsqueeze(-1))
+                else:
+                    p = self.ebuf[: z.numel()].view_as(z)
+                    torch.exp(z, out=p)
+                    ab = (b_ent[k0:k1].unsqueeze(-1), z, a_ent[k0:k1].unsqueeze(-1))
+                    dz = torch.addcmul(*ab, out=z).mul_(p)  # two passes
+                    dz.scatter_add_(1, col, torch.where(inb, g_lp[k0:k1], 0.0).unsqueeze(-1))
+                f = None if factor is None else factor[k0:k1].unsqueeze(-1)
+                if self.lowbuf is not None:
+                    dzm = self.lowbuf[: dz.numel()].view_as(dz)
+                    if f is not None and (db is not None or dw_blk is not None):
+                        dz.mul_(f)  # the fp32 dz itself is used below
+                        f = None
+                    if f is None:
+                        dzm.copy_(dz)
+                    else:
+                        torch.mul(dz, f, out=dzm)
+                    if db is not None:
+                        db[v0:v1] += dz.sum(0)
+                else:
+                    dzm = dz if f is None else dz.mul_(f)
+                    if db is not None:
+                        db[v0:v1] += dz.sum(0)
+                if dh is not None:
+                    if dh_acc is not dh:
+                        dh_acc[k0:k1] += dzm @ wb
+                    elif self.index is None:
+                        dh[k0:k1].addmm_(dzm, wb)
+                    else:
+                        dh.index_add_(0, self.index[k0:k1], dzm @ wb)
+                if dw is not None:
+                    if dw.dtype == acc:
+                        dw[v0:v1].addmm_(dzm.t(), h)
+                    elif dw_blk is None:  # one token chunk: the matmul sums every token, one rounding
+                        torch.mm(dzm.t(), h, out=dw[v0:v1])
+                    else:  # several token chunks: fp32 products and sums, one rounding per block
+                        dw_blk[: v1 - v0].addmm_(dz.t(), h.to(acc))
+            if dw_blk is not None:
+                dw[v0:v1] = dw_blk[: v1 - v0]
+        if dh is not None and dh_acc is not dh:
+            if self.index is None:
+                dh.copy_(dh_acc)
+            else:
+                dh.index_copy_(0, self.index, dh_acc.to(dh.dtype))
+        return dh, dw, db
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -522,37 +815,59 @@ class FusedLogprobsFunction(torch.autograd.Function):
         y = torch.where(valid, targets, torch.zeros_like(targets)).long()
         index = None if bool(valid.all()) else valid.nonzero().squeeze(1)  # skip ignored tokens entirely
         n = N if index is None else index.numel()
-        eng = ChunkEngine(
-            hidden,
-            weight,
-            bias,
-            y,
-            valid,
-            inv_t,
-            chunk=chunk,
-            backend=backend,
-            need_ent=need_ent,
-            unit_temperature=unit_t,
-            index=index,
-        )
         lp = torch.zeros(N, dtype=acc, device=hidden.device)
         ent = torch.zeros(N if need_ent else 0, dtype=acc, device=hidden.device)
-        for s in range(0, n, chunk):
-            e = min(n, s + chunk)
-            lp_c, ent_c, _, _ = eng.forward(s, e)
-            rows = slice(s, e) if index is None else index[s:e]
-            lp[rows] = lp_c
+        stats = ()
+        if backend == "torch":
+            eng = TiledLinearSoftmax(
+                hidden,
+                weight,
+                bias,
+                y,
+                valid,
+                inv_t,
+                chunk=chunk,
+                need_ent=need_ent,
+                unit_temperature=unit_t,
+                op="logprobs",
+                index=index,
+            )
+            lp_a, ent_a, lse, ez = eng.stats()
+            rows = slice(None) if index is None else index
+            lp[rows] = lp_a
             if need_ent:
-                ent[rows] = ent_c
+                ent[rows] = ent_a
+            stats = (lse, ez)  # the backward pass needs no forward recomputation
+        else:
+            eng = ChunkEngine(
+                hidden,
+                weight,
+                bias,
+                y,
+                valid,
+                inv_t,
+                chunk=chunk,
+                backend=backend,
+                need_ent=need_ent,
+                unit_temperature=unit_t,
+                index=index,
+            )
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                lp_c, ent_c, _, _ = eng.forward(s, e)
+                rows = slice(s, e) if index is None else index[s:e]
+                lp[rows] = lp_c
+                if need_ent:
+                    ent[rows] = ent_c
         del eng
-        ctx.save_for_backward(hidden, weight, bias, y, valid, inv_t, index)
+        ctx.save_for_backward(hidden, weight, bias, y, valid, inv_t, index, *stats)
         ctx.cfg = (chunk, backend, unit_t)
         ctx.set_materialize_grads(False)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, bias, y, valid, inv_t, index = ctx.saved_tensors
+        hidden, weight, bias, y, valid, inv_t, index, *stats = ctx.saved_tensors
         chunk, backend, unit_t = ctx.cfg
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if g_ent is not None and g_ent.numel() == 0:
@@ -565,6 +880,36 @@ class FusedLogprobsFunction(torch.autograd.Function):
         g_lp = torch.zeros(N, dtype=acc, device=hidden.device) if g_lp is None else g_lp.to(acc) * vf
         if g_ent is not None:
             g_ent = g_ent.to(acc) * vf
+        if backend == "torch":
+            eng = TiledLinearSoftmax(
+                hidden,
+                weight,
+                bias,
+                y,
+                valid,
+                inv_t,
+                chunk=chunk,
+                need_ent=g_ent is not None,
+                unit_temperature=unit_t,
+                op="logprobs",
+                index=index,
+            )
+            sel = (lambda x: x) if index is None else (lambda x: x[index])
+            lse, ez = stats
+            dh, dw, db = eng.grad(
+                sel(g_lp),
+                None if g_ent is None else sel(g_ent),
+                lse,
+                ez,
+                need_h=need_h,
+                need_w=need_w,
+                need_b=need_b,
+            )
+            return (
+                None if dh is None else dh.to(hidden.dtype),
+                None if dw is None else dw.to(weight.dtype),
+                None if db is None else db.to(bias.dtype),
+            ) + (None,) * 7
         eng = ChunkEngine(
             hidden,
             weight,
@@ -649,7 +994,14 @@ def fused_logprobs(
             return_entropy=return_entropy,
         )
     else:
-        chunk = int(chunk_size) if chunk_size else default_chunk_size(weight.shape[0], hidden.device)
+        if chunk_size:
+            chunk = int(chunk_size)
+        elif (
+            impl == "torch"
+        ):  # tiles are sized by TILE_BYTES["logprobs"]; a tile spans every token when it can
+            chunk = max(1, hidden.shape[0])
+        else:
+            chunk = default_chunk_size(weight.shape[0], hidden.device)
         if chunk <= 0:
             raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
         unit_t = not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0

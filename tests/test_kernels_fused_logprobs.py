@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 
@@ -69,16 +70,36 @@ def _ref64(h, w, y, b=None, **kw):
 NAMES = ("logprobs", "entropy", "d_hidden", "d_weight", "d_bias")
 
 
+@contextlib.contextmanager
+def _tile_bytes(nbytes: int):
+    """Shrink the torch backend's CPU tiles (0: leave them) so small cases span several tiles."""
+    old = fl.TILE_BYTES["logprobs"]["cpu"]
+    fl.TILE_BYTES["logprobs"]["cpu"] = nbytes or old
+    try:
+        yield
+    finally:
+        fl.TILE_BYTES["logprobs"]["cpu"] = old
+
+
+# (tile bytes, chunk_size): one tile; every token in each tile with 3 vocabulary blocks (a bf16 tile element
+# takes 10 bytes with entropy, fp32 8); tiles of a few tokens by 64 columns
+TILES = {"one": (0, None), "vocab-blocks": (10 * 260 * 40, None), "small": (700, 16)}
+
+
+@pytest.mark.parametrize("tiles", list(TILES))
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
 @pytest.mark.parametrize("per_token_t", [False, True])
-def test_torch_path_as_accurate_as_unfused(dtype, per_token_t):
-    N, H, V = 40, 24, 203
+def test_torch_path_as_accurate_as_unfused(dtype, per_token_t, tiles):
+    N, H, V = 40, 24, 600
     h, w, y, b = _inputs(N, H, V, dtype, bias=True)
     y[5] = -100
+    b[9] = float("-inf")
     t = torch.rand(N, generator=torch.Generator().manual_seed(3)) + 0.5 if per_token_t else 0.7
     ref = _ref64(h, w, y, b, temperature=t)
     unfused = _run(fused_logprobs_reference, h, w, y, b, temperature=t)
-    fused = _run(fused_logprobs, h, w, y, b, temperature=t, impl="torch", chunk_size=16)
+    tile_bytes, chunk = TILES[tiles]
+    with _tile_bytes(tile_bytes):
+        fused = _run(fused_logprobs, h, w, y, b, temperature=t, impl="torch", chunk_size=chunk)
     for name, f, u, r in zip(NAMES, fused, unfused, ref):
         assert_as_accurate(f, u, r, atol=1e-5, rtol=1e-5, what=f"{dtype} {name}")
         if dtype == torch.float32:  # absolute fp32 tolerances
@@ -132,6 +153,63 @@ def test_neg_inf_bias_and_huge_logits():
     assert torch.isfinite(g).all()
 
 
+BF16_U = 2.0**-8  # unit roundoff of bf16 (8 significant bits)
+
+
+@pytest.mark.parametrize("tiles", ["one", "vocab-blocks"])
+def test_bf16_cpu_error_bound(tiles):
+    """bf16 on CPU multiplies in bf16: each logit is the exact product of the bf16 inputs rounded once to
+    bf16 (|dz_v| <= u |z_v|, u = 2^-8) and everything after that is fp32. Against fp64 from the same bf16
+    inputs, to first order, with M = max_v |z_v| / T per token:
+    |lp - lp64| <= 2 u M (lp = z_y - lse);  |H - H64| <= u M E_p|z/T - E_p[z/T]| <= 2 u M^2;
+    |dW - dW64| <= (2 u M + 3 u) (|dz64|^T |h|) elementwise (p off by 2 u M relatively, dz rounded to bf16,
+    each tile's matmul output rounded to bf16), and |dh - dh64| <= (2 u M + 3 u) (|dz64| |W|).
+    The test allows twice these (second-order terms) plus 1e-6."""
+    N, H, V = 48, 64, 600
+    h, w, y, _ = _inputs(N, H, V, torch.bfloat16, scale=3.0, seed=5)  # logits up to ~10 / T
+    T = 0.7
+    tile_bytes, chunk = TILES[tiles]
+    with _tile_bytes(tile_bytes):
+        lp, ent, dh, dw, _ = _run(fused_logprobs, h, w, y, temperature=T, impl="torch", chunk_size=chunk)
+    # fp64 reference from the bf16 inputs, with d objective / d logits
+    h64, w64 = h.double(), w.double()
+    z64 = (h64 @ w64.T).requires_grad_(True)
+    logp = torch.log_softmax(z64 / T, -1)
+    lp64 = logp.gather(-1, y[:, None])[:, 0]
+    ent64 = -(logp.exp() * logp).sum(-1)
+    gen = torch.Generator().manual_seed(1)  # the same upstream gradients as _run
+    g1 = torch.randn(N, generator=gen, dtype=torch.float64).float().double()
+    g2 = torch.randn(N, generator=gen, dtype=torch.float64).float().double()
+    (dz64,) = torch.autograd.grad((lp64 * g1).sum() + (ent64 * g2).sum(), [z64])
+    M = (z64.detach().abs().amax(-1) / T).double()
+    u = BF16_U
+    assert ((lp.double() - lp64.detach()).abs() <= 2 * (2 * u * M) + 1e-6).all()
+    assert ((ent.double() - ent64.detach()).abs() <= 2 * (2 * u * M**2) + 1e-6).all()
+    rel = 2 * (2 * u * float(M.max()) + 3 * u)
+    assert ((dw.double() - dz64.T @ h64).abs() <= rel * (dz64.abs().T @ h64.abs()) + 1e-6).all()
+    assert ((dh.double() - dz64 @ w64).abs() <= rel * (dz64.abs() @ w64.abs()) + 1e-6).all()
+    assert lp.dtype == torch.float32 and dw.dtype == torch.bfloat16 and dh.dtype == torch.bfloat16
+
+
+def test_bf16_cpu_hostile_values():
+    """Huge logits, -inf bias entries, NaN hidden states on an ignored token: finite outputs and gradients."""
+    N, H, V = 20, 16, 300
+    h, w, y, b = _inputs(N, H, V, torch.bfloat16, bias=True, scale=200.0)  # logits in the hundreds
+    b[::4] = float("-inf")
+    y[y % 4 == 0] += 1  # targets on allowed entries
+    y[3] = -100
+    h[3] = float("nan")  # an ignored token's hidden state is never read
+    with _tile_bytes(TILES["vocab-blocks"][0]):
+        lp, ent, dh, dw, db = _run(fused_logprobs, h, w, y, b, temperature=0.9, impl="torch")
+    for name, x in zip(NAMES, (lp, ent, dh, dw, db)):
+        assert torch.isfinite(x.float()).all(), name
+    assert lp[3] == 0 and ent[3] == 0 and (dh[3] == 0).all()
+    keep = torch.arange(N) != 3
+    ref = _ref64(h[keep], w, y[keep], b, temperature=0.9)
+    M = float((h[keep].double() @ w.double().T).abs().max()) / 0.9
+    assert_close(lp[keep], ref[0], atol=4 * BF16_U * M, what="lp huge logits")
+
+
 def _property_case(N, H, V, scale, per_token, ignore_frac, neg_inf, seed):
     h, w, y, b = _inputs(N, H, V, torch.float32, seed=seed, scale=scale, bias=True)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -157,11 +235,12 @@ PROPERTY = dict(
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(chunk=st.integers(1, 8), **PROPERTY)
-def test_property_matches_fp64(N, H, V, chunk, scale, per_token, ignore_frac, neg_inf, seed):
+@given(chunk=st.integers(1, 8), tile=st.sampled_from([0, 8, 96, 1000]), **PROPERTY)
+def test_property_matches_fp64(N, H, V, chunk, tile, scale, per_token, ignore_frac, neg_inf, seed):
     h, w, y, b, t = _property_case(N, H, V, scale, per_token, ignore_frac, neg_inf, seed)
     ref = _ref64(h, w, y, b, temperature=t)
-    got = _run(fused_logprobs, h, w, y, b, temperature=t, impl="torch", chunk_size=chunk)
+    with _tile_bytes(tile):
+        got = _run(fused_logprobs, h, w, y, b, temperature=t, impl="torch", chunk_size=chunk)
     unf = _run(fused_logprobs_reference, h, w, y, b, temperature=t)
     for name, g, u, r in zip(NAMES, got, unf, ref):
         assert torch.isfinite(g).all(), name
