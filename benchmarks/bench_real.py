@@ -5,6 +5,7 @@ addition word problems) for each rollout precision and mismatch correction, pair
     python benchmarks/bench_real.py --precisions full --corrections none --seeds 0    # the preset alone
     python benchmarks/bench_real.py --steps 3 --n-eval 16 --precisions full fp8 nvfp4 mxfp4 \\
         --set rollout.prompts_per_step=4                              # a reduced sweep
+    python benchmarks/bench_real.py --arms full:none nvfp4:none nvfp4:ais --seeds 0    # chosen pairs
 
 Each run is a separate process (`--one`), so its peak RSS is its own. Writes --out (JSON): per run
 the settings, wall time (model conversion included when the cache is cold), peak RSS, held-out greedy
@@ -55,6 +56,9 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default="smollm2-add")
     parser.add_argument("--precisions", nargs="+", default=PRECISIONS)
     parser.add_argument("--corrections", nargs="+", default=CORRECTIONS)
+    parser.add_argument(
+        "--arms", nargs="+", metavar="PRECISION:CORRECTION", help="run these pairs, not the product"
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--steps", type=int, default=None, help="default: the preset's")
     parser.add_argument("--n-eval", type=int, default=None, help="held-out problems; default: the preset's")
@@ -69,39 +73,50 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs_dir = Path("runs") / "bench_real"
-    results = []
+    if args.arms:
+        bad = [a for a in args.arms if a.count(":") != 1]
+        if bad:
+            parser.error(f"--arms takes PRECISION:CORRECTION pairs, got {bad}")
+        arms = [tuple(a.split(":")) for a in args.arms]
+    else:  # corrections only matter where rollout and trainer differ
+        arms = [(p, c) for p in args.precisions for c in (args.corrections if p != "full" else ["none"])]
+    # Runs already in --out with the same settings are kept, not rerun, so a sweep can be extended (more
+    # seeds, more arms) or resumed after an interruption.
+    results = json.loads(out.read_text()) if out.exists() else []
+    done_overrides = [r["overrides"] for r in results]
     for seed in args.seeds:
-        for precision in args.precisions:
-            # corrections only matter where rollout and trainer differ
-            for correction in args.corrections if precision != "full" else ["none"]:
-                name = f"{precision}-{correction}-s{seed}"
-                overrides = [
-                    f"seed={seed}",
-                    f"rollout.precision={precision}",
-                    f"train.correction={correction}",
-                    f"name={name}",
-                    f"out_dir={runs_dir}",
-                    *([f"steps={args.steps}", f"eval_every={args.steps}"] if args.steps else []),
-                    *([f"task.n_eval={args.n_eval}"] if args.n_eval else []),
-                    *args.set,
-                ]
-                spec = {"preset": args.preset, "precision": precision, "correction": correction, "seed": seed}
-                spec["overrides"] = overrides
-                done = subprocess.run(
-                    [sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True
-                )
-                if done.returncode:
-                    print(done.stderr[-2000:], file=sys.stderr)
-                    return done.returncode
-                result = json.loads(done.stdout.strip().splitlines()[-1])
-                k3 = [s.get("mismatch_k3_kl") for s in result["steps"]]
-                print(
-                    f"{name}: accuracy {result['accuracy_start']:.3f} -> {result['accuracy_end']:.3f}, "
-                    f"k3/token {k3}, {result['wall_s']} s, peak RSS {result['peak_rss_mib']} MiB",
-                    flush=True,
-                )
-                results.append(result)
-                out.write_text(json.dumps(results, indent=2))
+        for precision, correction in arms:
+            name = f"{precision}-{correction}-s{seed}"
+            overrides = [
+                f"seed={seed}",
+                f"rollout.precision={precision}",
+                f"train.correction={correction}",
+                f"name={name}",
+                f"out_dir={runs_dir}",
+                *([f"steps={args.steps}", f"eval_every={args.steps}"] if args.steps else []),
+                *([f"task.n_eval={args.n_eval}"] if args.n_eval else []),
+                *args.set,
+            ]
+            if overrides in done_overrides:
+                print(f"{name}: already in {out}", flush=True)
+                continue
+            spec = {"preset": args.preset, "precision": precision, "correction": correction, "seed": seed}
+            spec["overrides"] = overrides
+            done = subprocess.run(
+                [sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True
+            )
+            if done.returncode:
+                print(done.stderr[-2000:], file=sys.stderr)
+                return done.returncode
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            k3 = [s.get("mismatch_k3_kl") for s in result["steps"]]
+            print(
+                f"{name}: accuracy {result['accuracy_start']:.3f} -> {result['accuracy_end']:.3f}, "
+                f"k3/token {k3}, {result['wall_s']} s, peak RSS {result['peak_rss_mib']} MiB",
+                flush=True,
+            )
+            results.append(result)
+            out.write_text(json.dumps(results, indent=2))
     return 0
 
 

@@ -56,6 +56,13 @@ ARMS = {
         "train.gradient_checkpointing=true",
     ],
     "LoRA r16, bf16 base": ["model.dtype=bfloat16", "model.lora.rank=16", "model.lora.alpha=32"],
+    # the real-model preset's LoRA setting (model.dtype stays float32 there)
+    "LoRA r16, fp32": [
+        "model.dtype=float32",
+        "train.autocast=none",
+        "model.lora.rank=16",
+        "model.lora.alpha=32",
+    ],
 }
 TRAINER_PARTS = ("weights", "gradients", "optimizer", "autocast_weights", "activations")
 
@@ -124,9 +131,10 @@ def worker(arm: str, rows: int, prompt: int, response: int, steps: int) -> dict:
     """One arm in this process: build, train `steps` (+1 warm-up) steps, report throughput and memory."""
     from transformers import LlamaConfig
 
-    from bitrl.train.memory import plan_memory
+    from bitrl.train.memory import pin_mmap_threshold, plan_memory
 
     cfg = arm_config(arm, rows, response)
+    pin_mmap_threshold(cfg)  # as `bitrl train` does
     config = LlamaConfig(**SMOLLM2_135M)
     rollout, advantages = synthetic_rollout(rows, prompt, response, config.vocab_size)
     import peft  # noqa: F401  (code, not data: imported before the baseline)

@@ -49,7 +49,7 @@ from bitrl.train.distributed import (
     sync_rollout_model_sharded_,
 )
 from bitrl.train.lora import apply_lora
-from bitrl.train.memory import device_memory, plan_memory
+from bitrl.train.memory import device_memory, pin_mmap_threshold, plan_memory
 from bitrl.train.trainer import PolicyTrainer
 
 
@@ -141,6 +141,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     force: run even when the memory plan says the run needs over 95% of the device's memory."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    pin_mmap_threshold(cfg)  # before any tensor: keeps a CPU LoRA run's peak RSS at what the plan counts
     # Data-parallel under torchrun: each rank rolls out and trains on its share of the groups; rank 0 logs.
     ctx = init_distributed(cfg.torch_device)
     if not ctx.is_main:

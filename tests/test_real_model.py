@@ -363,3 +363,11 @@ def test_bench_real_smoke(tiny_gguf, tmp_path, monkeypatch):
     for r in results:
         assert len(r["steps"]) == 1 and r["peak_rss_mib"] > 0 and 0 <= r["accuracy_end"] <= 1
     assert results[1]["steps"][0]["mismatch_k3_kl"] > results[0]["steps"][0]["mismatch_k3_kl"]
+    # --arms runs chosen pairs; a run already in --out with the same settings is kept, not run again
+    argv = ["--steps", "1", "--n-eval", "2", "--arms", "nvfp4:tis", "fp8:none", "--seeds", "0"]
+    assert main([*argv, "--set", f"model.path={tiny_gguf[0]}", *small, "--out", str(out)]) == 0
+    again = json.loads(out.read_text())
+    assert again[:2] == results
+    assert [(r["precision"], r["correction"]) for r in again[2:]] == [("fp8", "none")]
+    with pytest.raises(SystemExit):
+        main(["--arms", "nvfp4", "--out", str(out)])
