@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import TINY_DEMO_MODEL
@@ -78,6 +79,12 @@ def _records(path):
     ]
 
 
+def complete_records(metrics: Path) -> list[dict]:
+    """The records of metrics.jsonl whose line is whole: a read can land in the middle of the run's write."""
+    text = metrics.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
 @pytest.mark.parametrize("overrides", [PLAIN, REUSE, LORA], ids=["plain", "reuse", "lora"])
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, overrides):
     steps = int(next(o for o in overrides if o.startswith("steps=")).split("=")[1])
@@ -90,14 +97,12 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, overrides):
     deadline = time.time() + 300
     # Kill mid-run, between checkpoints: after step 8 was logged (checkpoints are at 3 and 6 by then).
     while time.time() < deadline:
-        if metrics.exists() and any(
-            json.loads(line)["step"] >= 8 for line in metrics.read_text().splitlines()
-        ):
+        if metrics.exists() and any(record["step"] >= 8 for record in complete_records(metrics)):
             break
         time.sleep(0.005)
     victim.send_signal(signal.SIGKILL)
     assert victim.wait(timeout=60) == -signal.SIGKILL, "the run finished before it could be killed"
-    killed_at = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
+    killed_at = max(record["step"] for record in complete_records(metrics))
     assert killed_at < steps
 
     resumed = _bitrl(["--resume", str(tmp_path / "killed")], env)
