@@ -239,20 +239,7 @@ def _torch_backend(
         g_lp = torch.zeros(B * T, dtype=acc, device=hidden.device) if g_lp is None else g_lp
         g_lp = g_lp.reshape(-1)[index].to(acc)
         g_ent = g_ent.reshape(-1)[index].to(acc) if (g_ent is not None and ent_grad) else None
-        del eng  # the gradient pass runs with the backward's tile shape (no entropy buffer if unused)
-        eng = TiledLinearSoftmax(
-            hidden,
-            weight,
-            bias,
-            y,
-            valid,
-            inv_t,
-            chunk=max(1, rows_per_chunk * T),
-            need_ent=g_ent is not None,
-            unit_temperature=unit_t,
-            op="loss",
-            index=index,
-        )
+        eng.retile(need_ent=g_ent is not None)  # the gradient pass: no entropy buffer if unused
         dh, dw, db = eng.grad(g_lp, g_ent, lse, ez, need_h=need_h, need_w=need_w, need_b=need_b)
     elif need_grad:
         dh = torch.zeros_like(hidden) if need_h else None

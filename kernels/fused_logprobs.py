@@ -362,26 +362,36 @@ class TiledLinearSoftmax:
         sel = (lambda x: x) if index is None else (lambda x: x[index])
         self.y, self.valid, self.inv_t = sel(y), sel(valid), sel(inv_t).to(self.acc)
         self.n = hidden.shape[0] if index is None else index.numel()
-        self.need_ent = need_ent
         self.scale = not unit_temperature
         # -inf bias entries (masked vocabulary) or an fp16 matmul output (overflow to inf) need clamping
         self.clamp = self.mm == torch.float16 or (bias is not None and bool(torch.isinf(bias).any()))
         self.bias = None if bias is None else bias.to(self.acc)
-        V = weight.shape[0]
+        self.chunk, self.op = chunk, op
+        self.h_all = None
+        self.retile(need_ent)
+
+    def retile(self, need_ent: bool) -> None:
+        """Size the tiles and their buffers for a pass with or without the entropy terms (a gradient pass
+        that needs no entropy gets larger tiles from the same budget)."""
+        self.need_ent = need_ent
+        self.zbuf = self.ebuf = self.lowbuf = None  # free the old buffers before allocating the new ones
         low = 0 if self.mm == self.acc else torch.finfo(self.mm).bits // 8
         acc_bytes = torch.finfo(self.acc).bits // 8
         elem = acc_bytes * (2 if need_ent else 1) + low
-        budgets = TILE_BYTES[op]
-        budget = budgets.get(hidden.device.type, budgets["cpu"])
-        self.c, self.vb = tile_shape(self.n, V, chunk, elem, budget)
-        dev = hidden.device
+        budgets = TILE_BYTES[self.op]
+        budget = budgets.get(self.hidden.device.type, budgets["cpu"])
+        self.c, self.vb = tile_shape(self.n, self.weight.shape[0], self.chunk, elem, budget)
+        dev = self.hidden.device
         size = self.c * self.vb
         self.zbuf = torch.empty(size, dtype=self.acc, device=dev)
         self.ebuf = torch.empty(size, dtype=self.acc, device=dev) if need_ent else None
         self.lowbuf = torch.empty(size, dtype=self.mm, device=dev) if low else None
-        self.h_all = None
-        if self.c >= self.n and (index is not None or hidden.dtype != self.mm):
-            self.h_all = self._gather(0, self.n)  # one tile of tokens: gather the rows once
+        # one tile of tokens: gather the rows once
+        gather_once = self.c >= self.n and (self.index is not None or self.hidden.dtype != self.mm)
+        if not gather_once:
+            self.h_all = None
+        elif self.h_all is None:
+            self.h_all = self._gather(0, self.n)
 
     def _gather(self, k0: int, k1: int) -> torch.Tensor:
         h = self.hidden[k0:k1] if self.index is None else self.hidden.index_select(0, self.index[k0:k1])
