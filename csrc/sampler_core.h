@@ -5,6 +5,7 @@
 // log-prob under the distribution sampled from).
 #pragma once
 
+#include <math.h>
 #include <stdint.h>
 
 #ifdef __CUDACC__

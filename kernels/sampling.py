@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from ._common import HAS_TRITON, check_same_device, check_tensor, next_pow2, resolve_impl
+from .host_ext import load_host_library
 
 __all__ = [
     "philox4x32",
@@ -96,9 +97,26 @@ def _key(seeds: torch.Tensor):
     return seeds & MASK32, (seeds >> 32) & MASK32
 
 
+def _host_library(*tensors):
+    """The compiled Philox (csrc/sampler_host.cc) for CPU tensors, else None (the torch formula runs)."""
+    return load_host_library() if all(t.device.type == "cpu" for t in tensors) else None
+
+
 def sampling_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """u [B, V] fp32 in (0, 1): the uniform of token v of row b (step 4 of the semantics).
     seeds, positions: [B] int64."""
+    lib = _host_library(seeds, positions)
+    if lib is None:
+        return _sampling_uniforms_torch(seeds, positions, vocab_size)
+    seeds, positions = seeds.long().contiguous(), positions.long().contiguous()
+    u = torch.empty(seeds.shape[0], vocab_size, dtype=torch.float32)
+    rows = seeds.shape[0]
+    lib.bitrl_sampling_uniforms(seeds.data_ptr(), positions.data_ptr(), rows, vocab_size, u.data_ptr())
+    return u
+
+
+def _sampling_uniforms_torch(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`sampling_uniforms` in torch ops (any device)."""
     seeds, positions = seeds.long()[:, None], positions.long()[:, None]
     u = torch.empty(seeds.shape[0], vocab_size, dtype=torch.float32, device=seeds.device)
     span = 4 * max(1, CHUNK_WORDS // max(1, seeds.shape[0]))  # tokens per chunk, a multiple of 4
@@ -116,6 +134,18 @@ def sampling_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
 def uniforms_at(seeds: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """u [N] fp32 of token tokens[i] in a row with seed seeds[i] sampling position positions[i] (all [N]
     int64): `sampling_uniforms` at chosen (row, token) pairs only."""
+    lib = _host_library(seeds, positions, tokens)
+    if lib is None:
+        return _uniforms_at_torch(seeds, positions, tokens)
+    seeds, positions, tokens = (t.long().contiguous() for t in (seeds, positions, tokens))
+    u = torch.empty(tokens.shape, dtype=torch.float32)
+    n = tokens.numel()
+    lib.bitrl_uniforms_at(seeds.data_ptr(), positions.data_ptr(), tokens.data_ptr(), n, u.data_ptr())
+    return u
+
+
+def _uniforms_at_torch(seeds: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`uniforms_at` in torch ops (any device)."""
     counter = (tokens // 4, positions & MASK32, (positions >> 32) & MASK32, torch.zeros_like(tokens))
     words = torch.stack(torch.broadcast_tensors(*philox4x32(counter, _key(seeds))))  # [lane, N]
     return _uniform(words.gather(0, (tokens % 4)[None]).squeeze(0))
@@ -173,7 +203,7 @@ def fused_sample_reference(
             above = (z[row][None, :] > z[row][:, None]) & keep[row][None, :]
             mass_above = (above.float() * p[row][None, :]).sum(-1)
             keep[row] &= mass_above < top_p
-    u = sampling_uniforms(seeds, positions, vocab)
+    u = _sampling_uniforms_torch(seeds, positions, vocab)  # the formula, not the compiled twin
     score = (z - torch.log(-torch.log(u))).masked_fill(~keep, float("-inf"))
     tokens = score.argmax(-1)
     lse = torch.logsumexp(z.masked_fill(~keep, float("-inf")), dim=-1)

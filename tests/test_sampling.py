@@ -117,6 +117,35 @@ def test_uniforms_at_equal_the_full_table():
     assert torch.equal(uniforms_at(seeds[row], positions[row], token), table[row, token])
 
 
+@pytest.mark.parametrize("vocab", [1, 3, 4, 5, 63, 64, 65, 1031])
+def test_compiled_philox_equals_the_torch_formula(vocab):
+    """The CPU draw runs csrc/sampler_host.cc; its uniforms are the torch formula's, bit for bit."""
+    from bitrl.kernels import host_ext, sampling
+
+    if host_ext.load_host_library() is None:
+        pytest.skip("no C++ compiler here (or BITRL_HOST_EXT=0): the CPU draw uses the torch formula")
+    seeds = torch.tensor([0, -1, -(2**63), 2**63 - 1, 12345, -(2**40) + 3])
+    positions = torch.tensor([0, 2**32 - 1, 2**32, 2**62 + 9, 7, 1])
+    table = sampling.sampling_uniforms(seeds, positions, vocab)
+    assert torch.equal(table, sampling._sampling_uniforms_torch(seeds, positions, vocab))
+    assert sampling.sampling_uniforms(seeds[:0], positions[:0], vocab).shape == (0, vocab)
+    row = torch.arange(6).repeat_interleave(3)
+    token = torch.randint(0, vocab, (18,), generator=torch.Generator().manual_seed(vocab))
+    at = sampling.uniforms_at(seeds[row], positions[row], token)
+    assert torch.equal(at, sampling._uniforms_at_torch(seeds[row], positions[row], token))
+
+
+def test_the_torch_formula_runs_where_the_host_library_is_off(monkeypatch):
+    from bitrl.kernels import host_ext, sampling
+
+    monkeypatch.setenv("BITRL_HOST_EXT", "0")
+    assert host_ext.load_host_library() is None
+    seeds, positions = torch.tensor([1, 2]), torch.tensor([3, 4])
+    assert torch.equal(
+        sampling.sampling_uniforms(seeds, positions, 9), sampling._sampling_uniforms_torch(seeds, positions, 9)
+    )
+
+
 # The interpreter is slow: every setting in fp32, the filtered ones in bf16 / fp16, one multi-tile vocabulary.
 TRITON_CASES = [(torch.float32, *s) for s in SETTINGS] + [
     (dtype, *s) for dtype in DTYPES[1:] for s in (SETTINGS[1], SETTINGS[3])

@@ -1,0 +1,83 @@
+"""Build and load bitrl's host (CPU) C++ helpers (``csrc/*_host.cc``): the system C++ compiler + ctypes.
+
+They are plain C++ over raw pointers, built once per source hash into the bitrl cache (``$BITRL_CACHE``,
+default ``~/.cache/bitrl``). Where no compiler exists, or ``BITRL_HOST_EXT=0``, `load_host_library` returns
+None and callers keep their torch formula (the semantics; the tests check both give the same bits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+from .cuda_ext import CSRC
+
+HOST_SOURCES = ("sampler_host.cc",)
+HEADERS = ("sampler_core.h",)
+# No -ffast-math or -march=native: the results must be the exact IEEE fp32 of the formula, and the cached
+# library may be shared by machines of one architecture.
+CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
+
+_LIB: ctypes.CDLL | None = None
+_TRIED = False
+
+
+def compiler() -> str | None:
+    """The C++ compiler: ``$CXX``, then g++, clang++, c++ on PATH; None when there is none."""
+    for name in (os.environ.get("CXX"), "g++", "clang++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def build_host_library(out: str | Path) -> Path:
+    """Compile ``HOST_SOURCES`` into the shared library ``out`` (written atomically: ranks of one run may
+    build at once)."""
+    exe = compiler()
+    if exe is None:
+        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [exe, *CXX_FLAGS, *(str(CSRC / s) for s in HOST_SOURCES), "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        os.unlink(tmp)
+        raise RuntimeError(f"host build failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def load_host_library() -> ctypes.CDLL | None:
+    """The host library (built on first use, cached by source hash), or None where it cannot be built or
+    ``BITRL_HOST_EXT=0``; a failed build warns once, naming why."""
+    global _LIB, _TRIED
+    if os.environ.get("BITRL_HOST_EXT", "1") == "0":
+        return None
+    if _TRIED:
+        return _LIB
+    _TRIED = True
+    digest = hashlib.sha256(" ".join(CXX_FLAGS).encode())
+    for name in (*HOST_SOURCES, *HEADERS):
+        digest.update((CSRC / name).read_bytes())
+    cache = Path(os.environ.get("BITRL_CACHE", Path.home() / ".cache" / "bitrl"))
+    lib = cache / "csrc" / f"host-{digest.hexdigest()[:16]}" / "libbitrl_host.so"
+    try:
+        if not lib.exists():
+            build_host_library(lib)
+        _LIB = ctypes.CDLL(str(lib))
+    except (RuntimeError, OSError) as err:
+        warnings.warn(f"bitrl: host C++ helpers unavailable, using the torch formulas: {err}", stacklevel=2)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    _LIB.bitrl_sampling_uniforms.argtypes = [ptr, ptr, i64, i64, ptr]
+    _LIB.bitrl_uniforms_at.argtypes = [ptr, ptr, ptr, i64, ptr]
+    _LIB.bitrl_sampling_uniforms.restype = _LIB.bitrl_uniforms_at.restype = None
+    return _LIB
