@@ -141,9 +141,8 @@ def test_the_torch_formula_runs_where_the_host_library_is_off(monkeypatch):
     monkeypatch.setenv("BITRL_HOST_EXT", "0")
     assert host_ext.load_host_library() is None
     seeds, positions = torch.tensor([1, 2]), torch.tensor([3, 4])
-    assert torch.equal(
-        sampling.sampling_uniforms(seeds, positions, 9), sampling._sampling_uniforms_torch(seeds, positions, 9)
-    )
+    want = sampling._sampling_uniforms_torch(seeds, positions, 9)
+    assert torch.equal(sampling.sampling_uniforms(seeds, positions, 9), want)
 
 
 # The interpreter is slow: every setting in fp32, the filtered ones in bf16 / fp16, one multi-tile vocabulary.
