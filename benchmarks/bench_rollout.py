@@ -8,7 +8,8 @@ on the CPU, fp32 and bf16, same sampling settings everywhere (temperature 1, no 
 
 Engines: "old" = bitrl's rollout/engine.py at commit 1895635 (DynamicCache grown by concatenation, two host
 syncs per step, eager HF forward), loaded from git into a temporary module; "new" = bitrl.rollout.engine
-(eager decode step); "hf" = model.generate with its default (dynamic) cache; "hf-static" =
+(eager decode step); "new-compiled" = the same with rollout.compile=true (the decode step under
+torch.compile, one fixed shape); "hf" = model.generate with its default (dynamic) cache; "hf-static" =
 model.generate(cache_implementation="static") with the forward under torch.compile. Engines run
 interleaved, repetition by repetition, in ONE process, so ratios share the machine's load.
 
@@ -94,11 +95,13 @@ def make_prompts(tokenizer, count: int) -> list[list[int]]:
 def run_engine(name, model, prompts, new_tokens, eos_id, pad_id, seed, old_engine):
     """Generated tokens of one rollout (timed by the caller)."""
     g = torch.Generator().manual_seed(seed)
-    if name in ("old", "new"):
+    if name in ("old", "new", "new-compiled"):
         if name == "old":
             generate = old_engine.generate
         else:
-            from bitrl.rollout.engine import generate
+            from bitrl.rollout.engine import generate, set_engine_options
+
+            set_engine_options(model, compile=name == "new-compiled")
         r = generate(model, prompts, max_new_tokens=new_tokens, eos_id=eos_id, pad_id=pad_id, generator=g)
         return int(r.response_mask.sum())
     from bitrl.rollout.engine import left_pad
@@ -144,7 +147,7 @@ def main(argv=None):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         for name in args.engines:  # warm-up: one-time costs (allocator, thread pools, compilation) untimed
             model.forward = compiled if name == "hf-static" else plain_forward
-            if name == "hf-static":  # compiled for these very shapes (batch, prompt width, cache length)
+            if name in ("hf-static", "new-compiled"):  # compiled for these shapes (batch, widths)
                 run_engine(name, model, prompts, args.new_tokens, -1, pad_id, 0, old_engine)
             else:
                 run_engine(name, model, prompts[:2], 2, -1, pad_id, 0, old_engine)

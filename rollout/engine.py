@@ -556,7 +556,7 @@ def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineO
             live = sum(alive)
             if live == 0:
                 break
-            if live <= len(alive) // 2:
+            if live <= len(alive) // 2 and step is decode_step:  # compiled: one shape, no shrinking
                 st.select_(torch.tensor([s for s, a in enumerate(alive) if a], device=device))
     return out.without_spare(), steps
 

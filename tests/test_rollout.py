@@ -118,6 +118,18 @@ def test_continuous_batching_returns_the_samples_of_one_big_batch(tiny_qwen, row
     _same_samples(_generate(tiny_qwen, grouped), big)
 
 
+def test_the_compiled_decode_step_returns_the_eager_samples(tiny_qwen):
+    """rollout.compile=true (the decode step under torch.compile, one fixed shape: slots are recycled but the
+    batch never shrinks) draws the eager reference's samples."""
+    grouped = [p for p in _prompts() for _ in range(3)]
+    eager = _generate(tiny_qwen, grouped)
+    set_engine_options(tiny_qwen, max_batch_rows=4, compile=True)
+    try:
+        _same_samples(_generate(tiny_qwen, grouped), eager)
+    finally:
+        set_engine_options(tiny_qwen)
+
+
 def test_a_sample_depends_on_its_id_not_on_its_batch(tiny_qwen):
     """Shared-prefix groups equal separately prefilled prompts, and a subset of the rows with their global
     sample ids (another rank's share, another batch) draws the same samples."""
