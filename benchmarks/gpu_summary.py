@@ -4,7 +4,8 @@
 
 Each row names the file it comes from; a missing file gives "not measured" rows rather than an error, so a
 partial run still summarises what it did. The goals are the issue's: fused GRPO loss >= 60% of the bf16
-roofline and >= 1.2x Liger-Kernel; quantize / dequantize >= 70% of HBM bandwidth; FP4 GEMV >= 60% at M = 1.
+roofline and >= 1.2x Liger-Kernel; quantize / dequantize >= 70% of HBM bandwidth; FP4 GEMV >= 60% at M = 1;
+the bf16 decode step >= 50% of its memory-traffic floor (weights + KV cache over the measured copy bandwidth).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-GOALS = {"loss_roofline": 0.60, "loss_vs_liger": 1.2, "quant_hbm": 0.70, "gemv_hbm": 0.60}
+GOALS = {"loss_roofline": 0.60, "loss_vs_liger": 1.2, "quant_hbm": 0.70, "gemv_hbm": 0.60, "decode_hbm": 0.50}
 
 
 def _load(path: Path):
@@ -82,7 +83,26 @@ def bandwidth_rows(quant) -> list[dict]:
     return rows
 
 
-def goals(loss: list[dict], bw: list[dict]) -> dict:
+def decode_rows(decode) -> list[dict]:
+    shape = (
+        ""
+        if decode is None
+        else f"{decode['model']}, batch {decode['rows']}, context {decode['prompt_len']}+"
+    )
+    return [
+        {
+            "what": f"decode step, {r['precision']}",
+            "shape": shape + str(decode["new_tokens"]),
+            "step_ms": r["step_ms"],
+            "tokens_per_s": r["tokens_per_s"],
+            "fraction_of_hbm": r["fraction_of_bandwidth"],
+            "step_vs_full": r.get("step_vs_full"),
+        }
+        for r in (decode or {}).get("results", [])
+    ]
+
+
+def goals(loss: list[dict], bw: list[dict], decode: list[dict] = ()) -> dict:
     """Each goal: the best measured value and whether it is met (None: not measured)."""
 
     def best(values):
@@ -101,6 +121,7 @@ def goals(loss: list[dict], bw: list[dict]) -> dict:
             for r in bw
             if "cuda fp4_gemv" in r["what"] and r["shape"].startswith("MxNxK=1x")
         ),
+        "decode_hbm": best(r["fraction_of_hbm"] for r in decode if r["what"] == "decode step, full"),
     }
     return {
         k: {"target": GOALS[k], "measured": v, "met": None if v is None else v >= GOALS[k]}
@@ -113,6 +134,7 @@ def summarize(out: Path) -> dict:
     quant = _load(out / "quant" / "gpu_quant.json")
     resources = _load(out / "kernel_resources.json")
     loss, bw = loss_rows(results), bandwidth_rows(quant)
+    decode = decode_rows(_load(out / "decode.json"))
     device = (quant or {}).get("device")
     if device is None and (out / "gpu.txt").exists():
         device = ((out / "gpu.txt").read_text().splitlines() or [None])[-1]
@@ -126,8 +148,9 @@ def summarize(out: Path) -> dict:
         else sum(bool(r.get("hot") and r.get("spills")) for r in resources["kernels"]),
         "fused_loss": loss or "not measured",
         "bandwidth": bw or "not measured",
+        "decode": decode or "not measured",
         "exact_triton_vs_torch": (quant or {}).get("exact") or "not measured",
-        "goals": goals(loss, bw),
+        "goals": goals(loss, bw, decode),
     }
     return summary
 
@@ -149,6 +172,12 @@ def to_markdown(s: dict) -> str:
         )
     for r in s["bandwidth"] if isinstance(s["bandwidth"], list) else []:
         lines.append(f"| {r['what']} | {r['shape']} | {r['GB/s']:.0f} GB/s | {pct(r['fraction_of_hbm'])} | |")
+    for r in s["decode"] if isinstance(s["decode"], list) else []:
+        vs = r["step_vs_full"]
+        lines.append(
+            f"| {r['what']} | {r['shape']} | {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:.0f} tok/s | "
+            f"{pct(r['fraction_of_hbm'])} | {'' if vs is None else f'{vs:.2f}x the bf16 step'} |"
+        )
     lines += ["", "| goal | target | measured | met |", "|---|---|---|---|"]
     for k, g in s["goals"].items():
         m = g["measured"]

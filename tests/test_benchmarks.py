@@ -48,3 +48,18 @@ def test_bench_reuse_runs_and_merges_seeds(tmp_path):
     assert all(r["model_tokens_per_rollout_later"] > 4 and r["forwards_per_rollout_later"] >= 1 for r in rows)
     line = next(x for x in (tmp_path / "table.md").read_text().splitlines() if x.startswith("| exact l=1 |"))
     assert "| 2 |" in line and " ± " in line  # two seeds, and a paired gap with its interval
+
+
+def test_bench_decode_runs_on_a_tiny_model(tmp_path):
+    """The GPU decode-bandwidth benchmark's code path, on the CPU at a tiny size (figures: GPU only)."""
+    from bitrl.benchmarks import bench_decode
+
+    out = tmp_path / "decode.json"
+    args = ["--tiny", "--device", "cpu", "--rows", "2", "--prompt-len", "4", "--new-tokens", "48"]
+    bench_decode.main(
+        [*args, "--reps", "1", "--copy-gib", "0.001", "--precisions", "full", "nvfp4", "--out", str(out)]
+    )
+    result = json.loads(out.read_text())
+    full, nvfp4 = result["results"]
+    assert full["precision"] == "full" and full["step_ms"] > 0 and full["fraction_of_bandwidth"] > 0
+    assert nvfp4["weight_mib"] < 0.5 * full["weight_mib"]  # packed 4-bit weights (the tied head stays bf16)

@@ -33,6 +33,7 @@ def test_dry_run_lists_every_step_within_eight_minutes(tmp_path):
         "bitrl.quant.aot",
         "bitrl.kernels.bench",
         "bench_quant.py --gpu-out",
+        "bench_decode.py",
         "gpu_summary.py",
         "test_csrc.py",
         "test_kernels_gpu_paths.py",
@@ -89,6 +90,16 @@ def _write_outputs(out: Path):
         ],
     }
     (out / "kernel_resources.json").write_text(json.dumps(res))
+    decode = dict(model="Qwen2-0.5B shape, random weights", rows=64, prompt_len=256, new_tokens=64)
+    decode["results"] = [
+        dict(
+            precision="full", step_ms=2.0, tokens_per_s=32000.0, fraction_of_bandwidth=0.55, step_vs_full=1.0
+        ),
+        dict(
+            precision="nvfp4", step_ms=1.2, tokens_per_s=53333.0, fraction_of_bandwidth=0.4, step_vs_full=0.6
+        ),
+    ]
+    (out / "decode.json").write_text(json.dumps(decode))
 
 
 def test_summary_reads_the_gpu_outputs(tmp_path):
@@ -105,6 +116,11 @@ def test_summary_reads_the_gpu_outputs(tmp_path):
     assert g["loss_roofline"]["met"] is True  # 510 TFLOP/s of an 800 TFLOP/s roofline
     assert g["quant_hbm"] == {"target": 0.7, "measured": 0.73, "met": True}
     assert g["gemv_hbm"] == {"target": 0.6, "measured": 0.65, "met": True}  # M = 1 only, CUDA kernel only
+    assert g["decode_hbm"] == {"target": 0.5, "measured": 0.55, "met": True}  # the bf16 step's
+    assert (
+        "| decode step, nvfp4 | Qwen2-0.5B shape, random weights, batch 64, context 256+64 | 1.20 ms/step"
+        in (tmp_path / "summary.md").read_text()
+    )
     md = (tmp_path / "summary.md").read_text()
     row = "| GRPO loss with LM head, fwd+bwd, bitrl | N=16384 H=4096 V=151936 bf16 | 510 TFLOP/s | 64% "
     row += "| 1.50x |"
@@ -115,4 +131,5 @@ def test_summary_of_an_empty_run_says_not_measured(tmp_path):
     assert gpu_summary.main([str(tmp_path)]) == 0
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["fused_loss"] == "not measured" and s["bandwidth"] == "not measured" and s["tests"] is None
+    assert s["decode"] == "not measured"
     assert all(g["measured"] is None and g["met"] is None for g in s["goals"].values())
