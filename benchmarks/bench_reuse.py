@@ -251,16 +251,20 @@ PER_ROLLOUT = (  # (field, column) of the per-rollout table, epochs 2+; "fewer" 
 
 def per_rollout_table(rows: list[dict]) -> str:
     """One line per arm, per rollout after the first epoch: sequential decode forwards, generated tokens and
-    rollout time, each with its ratio no-reuse / arm paired by seed (mean, and its 95% CI over seeds when
-    there are two or more), plus the mean response length and the held-out accuracy gap."""
+    rollout time (mean ± sd over seeds), each with its ratio no-reuse / arm paired by seed (mean ± the
+    half-width of its 95% CI over seeds, when there are two or more), plus the mean response length, the
+    held-out accuracy (mean ± sd) and its gap to no reuse (mean ± 95% CI)."""
     arms = list(dict.fromkeys(r["arm"] for r in rows))
     base = {r["seed"]: r for r in rows if r["arm"] == "no reuse"}
 
-    def ci(values, digits=2, unit=""):
+    def ci(values, digits=2, unit="", spread=mean_ci95):
         if len(values) < 2:
             return f"{statistics.fmean(values):.{digits}f}{unit}" if values else "–"
-        mean, half = mean_ci95(values)
+        mean, half = spread(values)
         return f"{mean:.{digits}f}{unit} ± {half:.{digits}f}"
+
+    def sd(values, digits):
+        return ci(values, digits, spread=lambda v: (statistics.fmean(v), statistics.stdev(v)))
 
     head = ["arm", "seeds", "response tokens, mean"]
     for _, column in PER_ROLLOUT:
@@ -273,10 +277,10 @@ def per_rollout_table(rows: list[dict]) -> str:
         cells = [arm, str(len(rs)), f"{statistics.fmean(r['response_tokens_mean'] for r in rs):.1f}"]
         for field, _ in PER_ROLLOUT:
             digits = 1 if "forwards" in field else 0 if "generated" in field else 2
-            cells.append(ci([r[field] for r in rs], digits))
+            cells.append(sd([r[field] for r in rs], digits))
             cells.append(ci([base[r["seed"]][field] / r[field] for r in paired], 2, "x"))
         gaps = [100 * (late_accuracy(r) - late_accuracy(base[r["seed"]])) for r in paired]
-        cells.append(ci([late_accuracy(r) for r in rs], 3))
+        cells.append(sd([late_accuracy(r) for r in rs], 3))
         cells.append("–" if arm == "no reuse" else ci(gaps, 1))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
