@@ -266,6 +266,15 @@ def per_rollout_table(rows: list[dict]) -> str:
     def sd(values, digits):
         return ci(values, digits, spread=lambda v: (statistics.fmean(v), statistics.stdev(v)))
 
+    def ratio(base_values, arm_values):
+        """no reuse / arm per seed; where an arm needed none of it (every draft accepted: no decode step, no
+        generated token), the seeds' totals instead, as the per-seed ratio is infinite there."""
+        if all(v > 0 for v in arm_values):
+            return ci([b / v for b, v in zip(base_values, arm_values)], 2, "x")
+        none = sum(v == 0 for v in arm_values)
+        total = f"{sum(base_values) / sum(arm_values):.2f}x" if sum(arm_values) else "∞"
+        return f"{total} (seed totals; ∞ in {none} of {len(arm_values)} seeds)"
+
     head = ["arm", "seeds", "response tokens, mean"]
     for _, column in PER_ROLLOUT:
         head += [f"{column} / rollout", f"{column}: no reuse / arm"]
@@ -278,7 +287,7 @@ def per_rollout_table(rows: list[dict]) -> str:
         for field, _ in PER_ROLLOUT:
             digits = 1 if "forwards" in field else 0 if "generated" in field else 2
             cells.append(sd([r[field] for r in rs], digits))
-            cells.append(ci([base[r["seed"]][field] / r[field] for r in paired], 2, "x"))
+            cells.append(ratio([base[r["seed"]][field] for r in paired], [r[field] for r in paired]))
         gaps = [100 * (late_accuracy(r) - late_accuracy(base[r["seed"]])) for r in paired]
         cells.append(sd([late_accuracy(r) for r in rs], 3))
         cells.append("–" if arm == "no reuse" else ci(gaps, 1))
