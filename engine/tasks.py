@@ -208,13 +208,16 @@ class WordsTask(ArithmeticTask):
     )
     INSTRUCTION = " Reply with just the number."
     # show_work: long responses (worked steps, then the answer) for benchmarks of long-response rollouts;
-    # the `math` reward reads the number after the last "answer is".
+    # the `math` reward reads the number after the last "answer is". Worded for sums, as the presets use
+    # (ops "+"); the benchmark figures in the README were measured with exactly this text.
     SHOW_WORK = (
         " Show your work: explain step by step how you add the numbers, digit by digit, then finish"
         " with 'The answer is N.'"
     )
 
-    def __init__(self, digits: int = 2, n_eval: int = 400, seed: int = 0, ops: str = "+-", show_work=False):
+    def __init__(
+        self, digits: int = 2, n_eval: int = 400, seed: int = 0, ops: str = "+-", show_work: bool = False
+    ):
         self.show_work = show_work  # before the base class builds the held-out problems
         super().__init__(digits, n_eval, seed, ops)
 
