@@ -1,10 +1,13 @@
-"""Speculative rollout reuse on the demo task: rollout time and held-out accuracy with reuse versus without.
+"""Speculative rollout reuse: rollout cost and held-out accuracy with reuse versus without.
 
-Every arm trains the demo (warm-started, cached under $BITRL_CACHE) for the same number of epochs over the
-same fixed prompt set, with the same seeds; arms differ only in `rollout.reuse`. Arms run one after another
-in one process, seed by seed, so their timings share the machine's conditions.
+Every arm trains the demo (warm-started, cached under $BITRL_CACHE), or the run of a shipped preset
+(`--preset NAME`, e.g. the real model on long worked answers), for the same number of epochs over the same
+fixed prompt set, with the same seeds; arms differ only in `rollout.reuse`. Arms run one after another in one
+process, seed by seed, so their timings share the machine's conditions.
 
     python benchmarks/bench_reuse.py --epochs 6 --seeds 0 1 --out runs/bench_reuse
+    python benchmarks/bench_reuse.py --preset smollm2-add-work --epochs 4 --prompts 8 --prompts-per-step 4 \
+        --arms "no reuse" "exact l=1" --set rollout.group_size=4 task.n_eval=32 --out runs/reuse_long
 
 writes results.json and table.md into --out (its smoke test: tests/test_benchmarks.py).
 """
@@ -76,6 +79,9 @@ class RolloutClock:
         self.calls: list[tuple[float, float]] = []
         self.forwards: list[int] = []  # sequential model calls per rollout (what bounds latency on a GPU)
         self.tokens: list[int] = []  # tokens through the model per rollout (what bounds a CPU's time)
+        self.generated: list[int] = []  # response tokens sampled afresh (the rest are accepted drafts)
+        self.returned: list[int] = []  # response tokens returned
+        self.rows: list[int] = []
 
     def wrap(self, fn):
         import torch
@@ -88,6 +94,12 @@ class RolloutClock:
             self.calls.append((time.perf_counter() - w, time.thread_time() - c))
             self.forwards.append(count["forwards"])
             self.tokens.append(count["tokens"])
+            # SpeculativeReuse.generate returns (rollout, its metrics); plain generation samples every token
+            rollout, metrics = out if isinstance(out, tuple) else (out, {})
+            returned = int(rollout.response_mask.sum())
+            self.returned.append(returned)
+            self.generated.append(metrics.get("reuse_tokens_generated", returned))
+            self.rows.append(rollout.response_mask.shape[0])
             return out
 
         return timed
@@ -96,6 +108,7 @@ class RolloutClock:
 def run_arm(name, arm, seed, args, out: Path) -> dict:
     import bitrl.engine.loop as loop
     from bitrl.engine.config import load_config
+    from bitrl.engine.train_cmd import preset_path
     from bitrl.rollout.reuse import SpeculativeReuse
 
     clock = RolloutClock()
@@ -117,7 +130,7 @@ def run_arm(name, arm, seed, args, out: Path) -> dict:
         *arm,
         *args.set,
     ]
-    cfg = load_config(None, overrides)
+    cfg = load_config(preset_path(args.preset) if args.preset else None, overrides)
     t0 = time.perf_counter()
     try:
         records = loop.run(cfg, log=lambda *a: None)
@@ -129,6 +142,7 @@ def run_arm(name, arm, seed, args, out: Path) -> dict:
     cpu = [c for _, c in clock.calls]
     first, later = cpu[:steps_per_epoch], cpu[steps_per_epoch:]
     wall_later = [w for w, _ in clock.calls[steps_per_epoch:]]
+    later_calls = slice(steps_per_epoch, None)
     evals = [r["accuracy"] for r in records if "accuracy" in r]
     out_row = {
         "arm": name,
@@ -138,6 +152,15 @@ def run_arm(name, arm, seed, args, out: Path) -> dict:
         "rollout_wall_s_later_per_epoch": sum(wall_later) / max(1, args.epochs - 1),
         "forwards_per_rollout_later": statistics.fmean(clock.forwards[steps_per_epoch:]),
         "model_tokens_per_rollout_later": statistics.fmean(clock.tokens[steps_per_epoch:]),
+        "generated_per_rollout_later": statistics.fmean(clock.generated[later_calls]),
+        "returned_per_rollout_later": statistics.fmean(clock.returned[later_calls]),
+        "rollout_wall_s_per_rollout_later": statistics.fmean(wall_later),
+        "rollout_cpu_s_per_rollout_later": statistics.fmean(later),
+        # mean response length over every rollout, the first epoch's fresh samples included
+        "response_tokens_mean": sum(clock.returned) / sum(clock.rows),
+        "response_tokens_mean_epoch1": sum(clock.returned[:steps_per_epoch])
+        / sum(clock.rows[:steps_per_epoch]),
+        "rows_per_rollout": clock.rows[0],
         "accuracy_start": evals[0],
         "accuracy_end": evals[-1],
         "accuracy_per_epoch": evals,
@@ -216,6 +239,69 @@ def table(rows: list[dict]) -> str:
             f"{fmt(r['flat_groups_later'] for r in rs)} | " + " | ".join(extra) + " |"
         )
     return "\n".join(lines)
+
+
+PER_ROLLOUT = (  # (field, column) of the per-rollout table, epochs 2+; "fewer" columns are base / arm
+    ("forwards_per_rollout_later", "sequential forwards"),
+    ("generated_per_rollout_later", "generated tokens"),
+    ("rollout_wall_s_per_rollout_later", "wall s"),
+    ("rollout_cpu_s_per_rollout_later", "CPU s"),
+)
+
+
+def per_rollout_table(rows: list[dict]) -> str:
+    """One line per arm, per rollout after the first epoch: sequential decode forwards, generated tokens and
+    rollout time (mean ± sd over seeds), each with its ratio no-reuse / arm paired by seed (mean ± the
+    half-width of its 95% CI over seeds, when there are two or more), plus the mean response length, the
+    held-out accuracy (mean ± sd) and its gap to no reuse (mean ± 95% CI)."""
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    base = {r["seed"]: r for r in rows if r["arm"] == "no reuse"}
+
+    def ci(values, digits=2, unit="", spread=mean_ci95):
+        if len(values) < 2:
+            return f"{statistics.fmean(values):.{digits}f}{unit}" if values else "–"
+        mean, half = spread(values)
+        return f"{mean:.{digits}f}{unit} ± {half:.{digits}f}"
+
+    def sd(values, digits):
+        return ci(values, digits, spread=lambda v: (statistics.fmean(v), statistics.stdev(v)))
+
+    def ratio(base_values, arm_values):
+        """no reuse / arm per seed; where an arm needed none of it (every draft accepted: no decode step, no
+        generated token), the seeds' totals instead, as the per-seed ratio is infinite there."""
+        if all(v > 0 for v in arm_values):
+            return ci([b / v for b, v in zip(base_values, arm_values)], 2, "x")
+        none = sum(v == 0 for v in arm_values)
+        total = f"{sum(base_values) / sum(arm_values):.2f}x" if sum(arm_values) else "∞"
+        return f"{total} (seed totals; ∞ in {none} of {len(arm_values)} seeds)"
+
+    head = ["arm", "seeds", "response tokens, mean"]
+    for _, column in PER_ROLLOUT:
+        head += [f"{column} / rollout", f"{column}: no reuse / arm"]
+    head += ["held-out acc, late mean", "gap to no reuse (points, 95% CI)"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for arm in arms:
+        rs = [r for r in rows if r["arm"] == arm]
+        paired = [r for r in rs if r["seed"] in base]
+        cells = [arm, str(len(rs)), f"{statistics.fmean(r['response_tokens_mean'] for r in rs):.1f}"]
+        for field, _ in PER_ROLLOUT:
+            digits = 1 if "forwards" in field else 0 if "generated" in field else 2
+            cells.append(sd([r[field] for r in rs], digits))
+            cells.append(ratio([base[r["seed"]][field] for r in paired], [r[field] for r in paired]))
+        gaps = [100 * (late_accuracy(r) - late_accuracy(base[r["seed"]])) for r in paired]
+        cells.append(sd([late_accuracy(r) for r in rs], 3))
+        cells.append("–" if arm == "no reuse" else ci(gaps, 1))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tables(rows: list[dict]) -> str:
+    """The main table, and the per-rollout one where the rows have its fields (results of older versions of
+    this benchmark do not)."""
+    text = table(rows)
+    if all("generated_per_rollout_later" in r for r in rows):
+        text += "\n\nPer rollout, epochs 2+:\n\n" + per_rollout_table(rows)
+    return text
 
 
 def verification_cost(threads: int = 1, overrides: list[str] = (), reps: int = 20) -> dict:
@@ -298,6 +384,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=128, help="size of the fixed prompt set")
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument(
+        "--preset", help="run this shipped preset (engine/presets/NAME.yaml) instead of the demo"
+    )
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--set", nargs="*", default=[], help="extra config overrides, section.key=value")
@@ -323,8 +412,8 @@ def main(argv=None) -> int:
         # one row per (arm, seed): a later folder's run replaces an earlier one's
         rows = list({(row["arm"], row["seed"]): row for r in runs for row in r["rows"]}.values())
         (out / "results.json").write_text(json.dumps({"merged": args.merge, "rows": rows}, indent=1))
-        (out / "table.md").write_text(table(rows) + "\n")
-        print(table(rows))
+        (out / "table.md").write_text(tables(rows) + "\n")
+        print(tables(rows))
         return 0
     rows = []
     for seed in args.seeds:
@@ -333,12 +422,13 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    text = table(rows)
+    text = tables(rows)
     header = (
-        f"demo task, fixed set of {args.prompts} prompts, {args.prompts_per_step} prompts x group 8 "
+        f"{f'preset {args.preset}' if args.preset else 'demo task'}, fixed set of {args.prompts} prompts, "
+        f"{args.prompts_per_step} prompts x {rows[0]['rows_per_rollout'] // args.prompts_per_step} samples "
         "per step, "
         f"{args.epochs} epochs ({args.prompts // args.prompts_per_step * args.epochs} steps), "
-        f"seeds {args.seeds}, threads={args.threads}\n\n"
+        f"seeds {args.seeds}, threads={args.threads}, overrides {args.set}\n\n"
     )
     (out / "table.md").write_text(header + text + "\n")
     print(header + text)

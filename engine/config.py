@@ -82,6 +82,9 @@ class TaskConfig(Section):
     # "none": the prompt text as it is.
     chat_template: Literal["auto", "none"] = "auto"
     system_prompt: str | None = None  # a system turn before the prompt; None keeps the template's default
+    # words only: ask for the worked steps before "The answer is N." (long responses, to benchmark rollouts
+    # of long responses); the `math` reward and greedy evaluation read the final answer.
+    show_work: bool = False
 
     @model_validator(mode="after")
     def _check(self):
@@ -91,6 +94,8 @@ class TaskConfig(Section):
             raise ValueError(f"task.reward must be one of {sorted(REWARDS)}, got {self.reward!r}")
         if self.kind == "jsonl" and not self.path:
             raise ValueError("task.path is required when task.kind is 'jsonl'")
+        if self.show_work and self.kind != "words":
+            raise ValueError(f"task.show_work needs task.kind 'words', got {self.kind!r}")
         if "{prompt}" not in self.prompt_template:
             raise ValueError("task.prompt_template must contain '{prompt}'")
         return self

@@ -62,8 +62,9 @@ def build_task(cfg: Config):
         )
     if cfg.task.kind == "jsonl":
         return JsonlTask(cfg.task.path, cfg.task.n_eval, cfg.seed)
-    task_cls = WordsTask if cfg.task.kind == "words" else ArithmeticTask
-    return task_cls(cfg.task.digits, cfg.task.n_eval, cfg.seed, cfg.task.ops)
+    if cfg.task.kind == "words":
+        return WordsTask(cfg.task.digits, cfg.task.n_eval, cfg.seed, cfg.task.ops, cfg.task.show_work)
+    return ArithmeticTask(cfg.task.digits, cfg.task.n_eval, cfg.seed, cfg.task.ops)
 
 
 def build_tokenizer(cfg: Config, log=print):

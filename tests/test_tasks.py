@@ -120,6 +120,45 @@ def test_words_task_states_the_sum_in_words():
     ]
 
 
+def test_show_work_words_task_is_seeded_and_asks_for_the_steps():
+    from bitrl.engine.tasks import WordsTask
+
+    task = WordsTask(digits=2, n_eval=20, seed=5, ops="+", show_work=True)
+    again = WordsTask(digits=2, n_eval=20, seed=5, ops="+", show_work=True)
+    assert task.eval_problems == again.eval_problems  # the same prompts and answers from the same seed
+    rng, rng_again = random.Random(7), random.Random(7)
+    drawn = [task.sample(rng) for _ in range(50)]
+    assert drawn == [again.sample(rng_again) for _ in range(50)]
+    terse = WordsTask(digits=2, n_eval=20, seed=5, ops="+")
+    # the same problems (ids, answers, held-out split) as the terse task; only the instruction differs
+    assert [(p.uid, p.answer) for p in task.eval_problems] == [(p.uid, p.answer) for p in terse.eval_problems]
+    rng_terse = random.Random(7)
+    assert [(p.uid, p.answer) for p in drawn] == [
+        (q.uid, q.answer) for q in (terse.sample(rng_terse) for _ in drawn)
+    ]
+    for p in drawn + task.eval_problems:
+        assert "step by step" in p.prompt and p.prompt.endswith("'The answer is N.'")
+        assert "Reply with just the number" not in p.prompt
+        a, b = map(int, p.uid.split("+"))
+        assert [int(n) for n in re.findall(r"\d+", p.prompt)] == [a, b]  # no other number in the text
+        assert p.answer == str(a + b)
+
+
+def test_math_reward_reads_the_final_answer_of_a_worked_response():
+    reward = REWARDS["math"]
+    worked = (
+        "Step 1: add the ones: 7 + 5 = 12, write 2 and carry 1.\n"
+        "Step 2: add the tens: 4 + 3 + 1 = 8.\n"
+        "So 47 + 35 = 82. The answer is 82."
+    )
+    assert reward(worked, "82") == 1.0
+    assert reward(worked, "12") == 0.0  # an intermediate number is not the answer
+    assert reward(worked.replace("The answer is 82.", "The answer is 81."), "82") == 0.0
+    # without the closing sentence, the last number counts
+    assert reward("7 + 5 = 12, carry 1; 4 + 3 + 1 = 8, so 82", "82") == 1.0
+    assert reward("Step 1: 7 + 5 = 12.", "82") == 0.0  # cut off before the answer
+
+
 def test_math_reward_on_word_problem_answers():
     reward = REWARDS["math"]
     assert reward("12 + 55 = 67", "67") == 1.0
