@@ -135,8 +135,10 @@ class EngineOptions:
     """How `generate` runs on a model (set with `set_engine_options`; bitrl.engine.config.RolloutConfig
     holds the same fields). max_batch_rows: rows decoding at once; kv_cache_dtype: "auto" (the model's
     dtype) or "fp8" (E4M3, values clamped to +-448); compile: torch.compile the decode step ("auto": on CUDA
-    only; on the 2-core CPU eager measured faster, see README); sync_every: decode steps between host looks
-    at the finished rows (None: 1 on CPU, where a look costs nothing, 8 on CUDA)."""
+    only: on the 2-core CPU the compiled step ran at 0.94x the eager one, SmolLM2-135M bf16 at 64 rows, see
+    README; a compiled step keeps one shape, so finished slots are recycled but the batch never shrinks);
+    sync_every: decode steps between host looks at the finished rows (None: 1 on CPU, where a look costs
+    nothing, 8 on CUDA)."""
 
     max_batch_rows: int = 256
     kv_cache_dtype: str = "auto"
