@@ -506,6 +506,9 @@ class TiledLinearSoftmax:
         if need_h:
             dh = torch.zeros(N, H, dtype=mm, device=dev)
             dh_acc = dh if mm == acc else torch.zeros(n, H, dtype=acc, device=dev)
+        # one partial-dh buffer for every tile (a fresh [c, H] temporary per tile leaves the allocator's
+        # heaps fragmented: tens of MiB of resident memory)
+        dh_part = None if dh_acc is dh else torch.empty(self.c, H, dtype=mm, device=dev)
         # dW: blocks written once; in place when it is fp32 (fp64), else through a one-block fp32 buffer
         dw = dw_blk = None
         if need_w:
@@ -563,7 +566,8 @@ class TiledLinearSoftmax:
                         db[v0:v1] += dz.sum(0)
                 if dh is not None:
                     if dh_acc is not dh:
-                        dh_acc[k0:k1] += dzm @ wb
+                        part = torch.mm(dzm, wb, out=dh_part[: k1 - k0])
+                        dh_acc[k0:k1] += part
                     elif self.index is None:
                         dh[k0:k1].addmm_(dzm, wb)
                     else:
