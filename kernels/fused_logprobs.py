@@ -406,7 +406,7 @@ class TiledLinearSoftmax:
 
     def _logits(self, h, wb, v0, v1, k0, k1, shift=None):
         """fp32 (fp64) logits of tokens [k0, k1) and vocabulary [v0, v1), scaled by 1/T, clamped, minus the
-        per-token ``shift`` when given (fused into the upcast where possible)."""
+        per-token ``shift`` when given."""
         c, w = k1 - k0, v1 - v0
         z = self.zbuf[: c * w].view(c, w)
         if self.lowbuf is None:
@@ -415,16 +415,14 @@ class TiledLinearSoftmax:
         else:
             src = self.lowbuf[: c * w].view(c, w)
             torch.mm(h, wb.t(), out=src)
-        simple = self.bias is None and not self.scale and not self.clamp
-        if simple and shift is not None:
-            torch.sub(src, shift.unsqueeze(-1), out=z)  # upcast and shift in one pass
-            return z
-        if self.bias is not None:
-            torch.add(src, self.bias[v0:v1], out=z)
-        elif self.scale:
-            torch.mul(src, self.inv_t[k0:k1].unsqueeze(-1), out=z)
-        elif src is not z:
+        # upcast first, then work in place: an op mixing the bf16 tile with fp32 operands would make a fp32
+        # temporary of the whole tile on CPU (one more allocation and pass per tile)
+        if src is not z:
             z.copy_(src)
+        if self.bias is not None:
+            z.add_(self.bias[v0:v1])
+        elif self.scale:
+            z.mul_(self.inv_t[k0:k1].unsqueeze(-1))
         if self.bias is not None and self.scale:
             z.mul_(self.inv_t[k0:k1].unsqueeze(-1))
         if self.clamp:
@@ -467,7 +465,7 @@ class TiledLinearSoftmax:
                     m_new = torch.maximum(m_old, low.amax(dim=1).to(acc))
                     zy[k0:k1] = torch.where(inb, low.gather(1, col).squeeze(1).to(acc), zy[k0:k1])
                     z = self.zbuf[: low.numel()].view_as(low)
-                    torch.sub(low, m_new.unsqueeze(-1), out=z)  # upcast and shift in one pass
+                    z.copy_(low).sub_(m_new.unsqueeze(-1))  # in place: no fp32 temporary of the tile
                 else:
                     z = self._logits(self._rows(k0, k1), wb, v0, v1, k0, k1)
                     zy[k0:k1] = torch.where(inb, z.gather(1, col).squeeze(1), zy[k0:k1])
@@ -502,13 +500,18 @@ class TiledLinearSoftmax:
         g_lp = g_lp.to(acc)
         g_ent = None if g_ent is None else g_ent.to(acc)
         # dh: accumulated across vocabulary blocks in fp32 (fp64): in place when the output is fp32 (fp64)
-        dh = dh_acc = None
-        if need_h:
-            dh = torch.zeros(N, H, dtype=mm, device=dev)
-            dh_acc = dh if mm == acc else torch.zeros(n, H, dtype=acc, device=dev)
-        # one partial-dh buffer for every tile (a fresh [c, H] temporary per tile leaves the allocator's
-        # heaps fragmented: tens of MiB of resident memory)
-        dh_part = None if dh_acc is dh else torch.empty(self.c, H, dtype=mm, device=dev)
+        # (bf16: the [N, H] output is made from the accumulator at the end, not held beside it)
+        dh = dh_acc = dh_part = dh_part32 = None
+        if need_h and mm == acc:
+            dh = dh_acc = torch.zeros(N, H, dtype=mm, device=dev)
+        elif need_h:
+            dh_acc = torch.zeros(n, H, dtype=acc, device=dev)
+            # each tile's partial dh: the bf16 product, upcast in place into the fp32 tile buffer (free by
+            # then) or its own buffer, then added: one buffer for every tile, as a fresh [c, H] temporary
+            # per tile (or a mixed-dtype add, which makes one) fragments the heap by tens of MiB
+            dh_part = torch.empty(self.c, H, dtype=mm, device=dev)
+            if self.vb < H:
+                dh_part32 = torch.empty(self.c, H, dtype=acc, device=dev)
         # dW: blocks written once; in place when it is fp32 (fp64), else through a one-block fp32 buffer
         dw = dw_blk = None
         if need_w:
@@ -551,27 +554,15 @@ class TiledLinearSoftmax:
                 f = None if factor is None else factor[k0:k1].unsqueeze(-1)
                 if self.lowbuf is not None:
                     dzm = self.lowbuf[: dz.numel()].view_as(dz)
-                    if f is not None and (db is not None or dw_blk is not None):
-                        dz.mul_(f)  # the fp32 dz itself is used below
-                        f = None
-                    if f is None:
-                        dzm.copy_(dz)
-                    else:
-                        torch.mul(dz, f, out=dzm)
+                    if f is not None:  # in fp32 in place (db and fp32 dW blocks read dz), then one rounding
+                        dz.mul_(f)
+                    dzm.copy_(dz)
                     if db is not None:
                         db[v0:v1] += dz.sum(0)
                 else:
                     dzm = dz if f is None else dz.mul_(f)
                     if db is not None:
                         db[v0:v1] += dz.sum(0)
-                if dh is not None:
-                    if dh_acc is not dh:
-                        part = torch.mm(dzm, wb, out=dh_part[: k1 - k0])
-                        dh_acc[k0:k1] += part
-                    elif self.index is None:
-                        dh[k0:k1].addmm_(dzm, wb)
-                    else:
-                        dh.index_add_(0, self.index[k0:k1], dzm @ wb)
                 if dw is not None:
                     if dw.dtype == acc:
                         dw[v0:v1].addmm_(dzm.t(), h)
@@ -579,13 +570,24 @@ class TiledLinearSoftmax:
                         torch.mm(dzm.t(), h, out=dw[v0:v1])
                     else:  # several token chunks: fp32 products and sums, one rounding per block
                         dw_blk[: v1 - v0].addmm_(dz.t(), h.to(acc))
+                if dh_part is not None:  # after dW: the fp32 dz is no longer needed
+                    part = torch.mm(dzm, wb, out=dh_part[: k1 - k0])
+                    part32 = self.zbuf if dh_part32 is None else dh_part32
+                    part32 = part32[: part.numel()].view_as(part).copy_(part)
+                    dh_acc[k0:k1] += part32
+                elif dh is not None and self.index is None:
+                    dh[k0:k1].addmm_(dzm, wb)
+                elif dh is not None:
+                    dh.index_add_(0, self.index[k0:k1], dzm @ wb)
             if dw_blk is not None:
                 dw[v0:v1] = dw_blk[: v1 - v0]
-        if dh is not None and dh_acc is not dh:
+        if dh_part is not None:
+            del dh_part, dh_part32
             if self.index is None:
-                dh.copy_(dh_acc)
+                dh = dh_acc.to(mm)
             else:
-                dh.index_copy_(0, self.index, dh_acc.to(dh.dtype))
+                dh = torch.zeros(N, H, dtype=mm, device=dev)
+                dh.index_copy_(0, self.index, dh_acc.to(mm))
         return dh, dw, db
 
 
