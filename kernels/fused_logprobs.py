@@ -8,7 +8,7 @@ Implementations (``impl=``, or ``BITRL_KERNEL_IMPL``):
   dtype. The tests run it in fp64 as ground truth and in the native dtype as the "unfused" baseline.
 * ``"torch"`` - the CPU path (``TiledLinearSoftmax``): the logits are visited in [tokens x vocabulary]
   tiles sized by ``TILE_BYTES`` - an online log-sum-exp over the vocabulary blocks gives log-prob, entropy,
-  log-sum-exp and E_p[z] per token; the backward revisits the tiles, forms
+  log-sum-exp and lse - E_p[z] per token; the backward revisits the tiles, forms
   dz = g_lp (onehot - p) - g_H p (z - E_p[z]) and writes dW block by block (no forward recomputation, no
   [V, H] buffer beside the gradient). The entropy term is only formed when the entropy received a gradient.
 * ``"triton"`` - chunked over tokens (``ChunkEngine``): each chunk's logits are reduced by Triton row kernels
@@ -304,11 +304,12 @@ class ChunkEngine:
 # CPU every parallel op also waits for a scheduler slice, so ~15 passes per tile add up); smaller tiles a
 # smaller working set. fused_logprobs: 128 MiB on CPU, like the Triton path's chunks. The loss op
 # (fused_linear_policy_loss) runs its gradient pass inside the forward, next to the weight gradient it
-# returns: 24 MiB on CPU keeps its whole working set under half of Liger-Kernel's. On a GPU a tile spans the
-# whole vocabulary of a chunk.
+# returns: 32 MiB on CPU (bf16, N=4096 V=32768 H=1024: 147 MiB peak at 24 MiB, 154 at 32, 170 at 48, against
+# Liger-Kernel's 339; 32 MiB ran 15% faster than 24) keeps its whole working set under half of Liger-Kernel's.
+# On a GPU a tile spans the whole vocabulary of a chunk.
 TILE_BYTES = {
     "logprobs": {"cpu": 128 * 2**20, "cuda": 1024 * 2**20},
-    "loss": {"cpu": 24 * 2**20, "cuda": 1024 * 2**20},
+    "loss": {"cpu": 32 * 2**20, "cuda": 1024 * 2**20},
 }
 TILE_MIN_VOCAB = 256  # a tile holds every token when that leaves at least this many vocabulary columns
 VOCAB_ALIGN = 64  # vocabulary tiles are multiples of this (below it, any size: the tests use tiny tiles)
@@ -333,8 +334,8 @@ class TiledLinearSoftmax:
     The [n, V] logits are visited in [c, vb] tiles (vocabulary blocks outside, token chunks inside), twice:
 
     * ``stats()``: an online log-sum-exp over the vocabulary blocks (running max, sum exp, sum p*z per token),
-      giving log-prob, entropy, log-sum-exp and E_p[z] for every token;
-    * ``grad(g_lp, g_ent, lse, ez)``: each tile's logits are recomputed, turned into
+      giving log-prob, entropy, log-sum-exp and lse - E_p[z] (the unmasked row's entropy) for every token;
+    * ``grad(g_lp, g_ent, lse, gap)``: each tile's logits are recomputed, turned into
       dz = (g_lp (onehot - p) - g_H p (z - E_p[z])) / T and multiplied at once:
       dW[block] (+)= dz^T h, dh[chunk] += dz W[block], db[block] += sum(dz).
 
@@ -446,7 +447,7 @@ class TiledLinearSoftmax:
         return (yc - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1), inb
 
     def stats(self):
-        """(lp [n], entropy [n] | None, lse [n], E_p[z] [n]) over the active tokens, in the acc dtype."""
+        """(lp, entropy | None, lse, lse - E_p[z]), each [n] over the active tokens, in the acc dtype."""
         n, V = self.n, self.weight.shape[0]
         dev, acc = self.hidden.device, self.acc
         m = torch.full((n,), NEG_LOGIT, dtype=acc, device=dev)
@@ -485,14 +486,15 @@ class TiledLinearSoftmax:
         log_s = torch.log(s)
         zero = torch.zeros((), dtype=acc, device=dev)
         lp = torch.where(self.valid, (zy - m) - log_s, zero)  # relative to the max: no rounding at |z|
-        ts = t / s
-        ent = torch.where(self.valid, log_s - ts, zero) if self.need_ent else None
-        return lp, ent, m + log_s, m + ts
+        gap = log_s - t / s  # lse - E_p[z] without the max: no cancellation at large |z|
+        ent = torch.where(self.valid, gap, zero) if self.need_ent else None
+        return lp, ent, m + log_s, gap
 
-    def grad(self, g_lp, g_ent, lse, ez, *, need_h=True, need_w=True, need_b=False):
+    def grad(self, g_lp, g_ent, lse, gap, *, need_h=True, need_w=True, need_b=False):
         """(dh [N, H] | None, dW [V, H] | None, db [V] fp32 | None), dh and dW in the matmul dtype.
 
-        ``g_lp``, ``g_ent`` (or None), ``lse``, ``ez``: [n] per active token (from ``stats``); rows that are
+        ``g_lp``, ``g_ent`` (or None), ``lse``, ``gap`` (lse - E_p[z]): [n] per active token (from ``stats``);
+        rows that are
         not active get a zero hidden gradient."""
         n, (V, H) = self.n, self.weight.shape
         N = self.hidden.shape[0]
@@ -529,7 +531,7 @@ class TiledLinearSoftmax:
             # dz = p (-g_lp - g_H (z - E_p[z])) = p (a (z - lse) + b),
             # a = -g_H, b = -g_H (lse - E_p[z]) - g_lp
             shift, factor = lse, None
-            a_ent, b_ent = -g_ent, -g_ent * (lse - ez) - g_lp
+            a_ent, b_ent = -g_ent, -g_ent * gap - g_lp
         if self.scale:
             factor = self.inv_t if factor is None else factor * self.inv_t
         for v0 in range(0, V, self.vb):
@@ -848,12 +850,12 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 op="logprobs",
                 index=index,
             )
-            lp_a, ent_a, lse, ez = eng.stats()
+            lp_a, ent_a, lse, gap = eng.stats()
             rows = slice(None) if index is None else index
             lp[rows] = lp_a
             if need_ent:
                 ent[rows] = ent_a
-            stats = (lse, ez)  # the backward pass needs no forward recomputation
+            stats = (lse, gap)  # the backward pass needs no forward recomputation
         else:
             eng = ChunkEngine(
                 hidden,
@@ -911,12 +913,12 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 index=index,
             )
             sel = (lambda x: x) if index is None else (lambda x: x[index])
-            lse, ez = stats
+            lse, gap = stats
             dh, dw, db = eng.grad(
                 sel(g_lp),
                 None if g_ent is None else sel(g_ent),
                 lse,
-                ez,
+                gap,
                 need_h=need_h,
                 need_w=need_w,
                 need_b=need_b,
