@@ -311,6 +311,7 @@ TILE_BYTES = {
     "logprobs": {"cpu": 128 * 2**20, "cuda": 1024 * 2**20},
     "loss": {"cpu": 32 * 2**20, "cuda": 1024 * 2**20},
 }
+DH_ROWS = 512  # tokens per partial hidden-gradient product of a bf16 tile (its buffers: 3 MiB at H = 1024)
 TILE_MIN_VOCAB = 256  # a tile holds every token when that leaves at least this many vocabulary columns
 VOCAB_ALIGN = 64  # vocabulary tiles are multiples of this (below it, any size: the tests use tiny tiles)
 
@@ -508,12 +509,12 @@ class TiledLinearSoftmax:
             dh = dh_acc = torch.zeros(N, H, dtype=mm, device=dev)
         elif need_h:
             dh_acc = torch.zeros(n, H, dtype=acc, device=dev)
-            # each tile's partial dh: the bf16 product, upcast in place into the fp32 tile buffer (free by
-            # then) or its own buffer, then added: one buffer for every tile, as a fresh [c, H] temporary
-            # per tile (or a mixed-dtype add, which makes one) fragments the heap by tens of MiB
-            dh_part = torch.empty(self.c, H, dtype=mm, device=dev)
-            if self.vb < H:
-                dh_part32 = torch.empty(self.c, H, dtype=acc, device=dev)
+            # each tile's partial dh, DH_ROWS tokens at a time: the bf16 product, upcast into an fp32 buffer,
+            # added. Two small buffers for every tile: a fresh [c, H] temporary per tile (or a mixed-dtype
+            # add, which makes one) costs tens of MiB at N = 8192 and fragments the heap
+            rows = min(self.c, DH_ROWS)
+            dh_part = torch.empty(rows, H, dtype=mm, device=dev)
+            dh_part32 = torch.empty(rows, H, dtype=acc, device=dev)
         # dW: blocks written once; in place when it is fp32 (fp64), else through a one-block fp32 buffer
         dw = dw_blk = None
         if need_w:
@@ -572,11 +573,11 @@ class TiledLinearSoftmax:
                         torch.mm(dzm.t(), h, out=dw[v0:v1])
                     else:  # several token chunks: fp32 products and sums, one rounding per block
                         dw_blk[: v1 - v0].addmm_(dz.t(), h.to(acc))
-                if dh_part is not None:  # after dW: the fp32 dz is no longer needed
-                    part = torch.mm(dzm, wb, out=dh_part[: k1 - k0])
-                    part32 = self.zbuf if dh_part32 is None else dh_part32
-                    part32 = part32[: part.numel()].view_as(part).copy_(part)
-                    dh_acc[k0:k1] += part32
+                if dh_part is not None:
+                    for r0 in range(k0, k1, DH_ROWS):
+                        r1 = min(k1, r0 + DH_ROWS)
+                        part = torch.mm(dzm[r0 - k0 : r1 - k0], wb, out=dh_part[: r1 - r0])
+                        dh_acc[r0:r1] += dh_part32[: r1 - r0].copy_(part)
                 elif dh is not None and self.index is None:
                     dh[k0:k1].addmm_(dzm, wb)
                 elif dh is not None:
@@ -584,12 +585,19 @@ class TiledLinearSoftmax:
             if dw_blk is not None:
                 dw[v0:v1] = dw_blk[: v1 - v0]
         if dh_part is not None:
-            del dh_part, dh_part32
-            if self.index is None:
-                dh = dh_acc.to(mm)
-            else:
-                dh = torch.zeros(N, H, dtype=mm, device=dev)
-                dh.index_copy_(0, self.index, dh_acc.to(mm))
+            # the last pass: release the tiles before the bf16 output is made, in row blocks, from its
+            # accumulator (no [n, H] temporary beside the two)
+            self.zbuf = self.ebuf = self.lowbuf = self.h_all = None
+            dh_part = dh_part32 = h = z = dz = dzm = p = part = None  # the views that keep them alive
+            dh = torch.zeros(N, H, dtype=mm, device=dev) if self.index is not None else None
+            if dh is None:
+                dh = torch.empty(N, H, dtype=mm, device=dev)
+            for r0 in range(0, n, DH_ROWS):
+                r1 = min(n, r0 + DH_ROWS)
+                if self.index is None:
+                    dh[r0:r1].copy_(dh_acc[r0:r1])
+                else:
+                    dh.index_copy_(0, self.index[r0:r1], dh_acc[r0:r1].to(mm))
         return dh, dw, db
 
 
