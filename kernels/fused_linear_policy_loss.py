@@ -186,9 +186,9 @@ def _tiled(backend: str, hidden: torch.Tensor) -> bool:
     * bf16 weights: TWO passes over [tokens x vocabulary] tiles (statistics, then gradient; 4 matmuls) so
       that dW is written block by block, each block one bf16 matmul over every token. One pass would
       accumulate dW across token chunks: an fp32 [V, H] buffer beside the bf16 gradient (128 MiB at V=32768,
-      H=1024, where the two passes peak at 154 MiB in all), and CPU bf16 matmuls only write bf16, so each
-      chunk's partial dW would be rounded before its fp32 sum, and the small-K accumulation itself cost
-      2.5x one matmul over all tokens when measured (256-token chunks; 10x with 64)."""
+      H=1024, where the two passes peak at 141 MiB in all at N=4096), and CPU bf16 matmuls only write bf16,
+      so each chunk's partial dW would be rounded before its fp32 sum, and the small-K accumulation itself
+      cost 2.5x one matmul over all tokens when measured (256-token chunks; 10x with 64)."""
     return backend == "torch" and tile_matmul_dtype(hidden) != acc_dtype(hidden)
 
 
