@@ -495,8 +495,7 @@ class TiledLinearSoftmax:
         """(dh [N, H] | None, dW [V, H] | None, db [V] fp32 | None), dh and dW in the matmul dtype.
 
         ``g_lp``, ``g_ent`` (or None), ``lse``, ``gap`` (lse - E_p[z]): [n] per active token (from ``stats``);
-        rows that are
-        not active get a zero hidden gradient."""
+        rows that are not active get a zero hidden gradient."""
         n, (V, H) = self.n, self.weight.shape
         N = self.hidden.shape[0]
         dev, acc, mm = self.hidden.device, self.acc, self.mm
