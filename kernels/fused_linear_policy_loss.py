@@ -173,11 +173,22 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
 
 
 def _tiled(backend: str, hidden: torch.Tensor) -> bool:
-    """The torch backend with low-precision weights (bf16) runs over tiles, in two passes (4 matmuls), so
-    that the weight gradient is written block by block in its dtype: accumulating it over token chunks, as
-    the single pass does (3 matmuls), would need an fp32 [V, H] buffer beside it. fp32 (fp64) weights, and
-    fp16 ones on CPU (multiplied in fp32), accumulate in place in the fp32 gradient: the single pass, in
-    chunks of ``TILE_BYTES["loss"]`` of logits."""
+    """Which torch-backend path the loss takes; both produce the gradient inside the forward.
+
+    No per-token loss coefficient needs a statistics pass over the logits: everything batch-wide (rollout
+    corrections such as AIS's lambda, keep-masks, normalisers) comes from ``build_plan`` before any logits,
+    and chunks hold whole sequences, so a chunk's loss gradient is known as soon as its log-probs are. The
+    choice is about the weight gradient:
+
+    * fp32 (fp64) weights, and fp16 ones on CPU (multiplied in fp32): ONE pass, 3 matmuls per chunk of
+      ``TILE_BYTES["loss"]`` of logits (at least one sequence): logits, then d hidden, and d W accumulated in
+      place in the fp32 gradient itself.
+    * bf16 weights: TWO passes over [tokens x vocabulary] tiles (statistics, then gradient; 4 matmuls) so
+      that dW is written block by block, each block one bf16 matmul over every token. One pass would
+      accumulate dW across token chunks: an fp32 [V, H] buffer beside the bf16 gradient (128 MiB at V=32768,
+      H=1024, where the two passes peak at 141 MiB in all at N=4096), and CPU bf16 matmuls only write bf16,
+      so each chunk's partial dW would be rounded before its fp32 sum, and the small-K accumulation itself
+      cost 2.5x one matmul over all tokens when measured (256-token chunks; 10x with 64)."""
     return backend == "torch" and tile_matmul_dtype(hidden) != acc_dtype(hidden)
 
 
@@ -224,7 +235,7 @@ def _torch_backend(
         op="loss",
         index=index,
     )
-    lp_a, ent_a, lse, ez = eng.stats()
+    lp_a, ent_a, lse, gap = eng.stats()
     lp = torch.zeros(B * T, dtype=acc, device=hidden.device)
     lp[index] = lp_a
     ent = None
@@ -240,7 +251,7 @@ def _torch_backend(
         g_lp = g_lp.reshape(-1)[index].to(acc)
         g_ent = g_ent.reshape(-1)[index].to(acc) if (g_ent is not None and ent_grad) else None
         eng.retile(need_ent=g_ent is not None)  # the gradient pass: no entropy buffer if unused
-        dh, dw, db = eng.grad(g_lp, g_ent, lse, ez, need_h=need_h, need_w=need_w, need_b=need_b)
+        dh, dw, db = eng.grad(g_lp, g_ent, lse, gap, need_h=need_h, need_w=need_w, need_b=need_b)
     elif need_grad:
         dh = torch.zeros_like(hidden) if need_h else None
         dw = torch.zeros_like(weight) if need_w else None
@@ -306,7 +317,7 @@ def fused_linear_policy_loss(
 
     All loss options are those of ``policy_loss``. ``compute_entropy`` adds the entropy metric (it is
     computed anyway when ``entropy_coef != 0``). ``chunk_size`` is the number of *sequences* per chunk
-    (default: about 1 GiB of fp32 logits per chunk on CUDA, ``TILE_BYTES["loss"]`` (24 MiB) on the torch
+    (default: about 1 GiB of fp32 logits per chunk on CUDA, ``TILE_BYTES["loss"]`` (32 MiB) on the torch
     backend, whose bf16 tiles hold every sequence when they can). Returns ``(loss, metrics)``
     like ``policy_loss``.
     """

@@ -8,7 +8,7 @@ Implementations (``impl=``, or ``BITRL_KERNEL_IMPL``):
   dtype. The tests run it in fp64 as ground truth and in the native dtype as the "unfused" baseline.
 * ``"torch"`` - the CPU path (``TiledLinearSoftmax``): the logits are visited in [tokens x vocabulary]
   tiles sized by ``TILE_BYTES`` - an online log-sum-exp over the vocabulary blocks gives log-prob, entropy,
-  log-sum-exp and E_p[z] per token; the backward revisits the tiles, forms
+  log-sum-exp and lse - E_p[z] per token; the backward revisits the tiles, forms
   dz = g_lp (onehot - p) - g_H p (z - E_p[z]) and writes dW block by block (no forward recomputation, no
   [V, H] buffer beside the gradient). The entropy term is only formed when the entropy received a gradient.
 * ``"triton"`` - chunked over tokens (``ChunkEngine``): each chunk's logits are reduced by Triton row kernels
@@ -304,12 +304,14 @@ class ChunkEngine:
 # CPU every parallel op also waits for a scheduler slice, so ~15 passes per tile add up); smaller tiles a
 # smaller working set. fused_logprobs: 128 MiB on CPU, like the Triton path's chunks. The loss op
 # (fused_linear_policy_loss) runs its gradient pass inside the forward, next to the weight gradient it
-# returns: 24 MiB on CPU keeps its whole working set under half of Liger-Kernel's. On a GPU a tile spans the
-# whole vocabulary of a chunk.
+# returns: 32 MiB on CPU (bf16, N=4096 V=32768 H=1024: a 141 MiB peak in all, Liger-Kernel 282-339 MiB;
+# 48 MiB tiles cost 16 MiB more, 24 MiB ones ran ~15% slower) keeps its working set near half of
+# Liger-Kernel's. On a GPU a tile spans the whole vocabulary of a chunk.
 TILE_BYTES = {
     "logprobs": {"cpu": 128 * 2**20, "cuda": 1024 * 2**20},
-    "loss": {"cpu": 24 * 2**20, "cuda": 1024 * 2**20},
+    "loss": {"cpu": 32 * 2**20, "cuda": 1024 * 2**20},
 }
+DH_ROWS = 512  # tokens per partial hidden-gradient product of a bf16 tile (its buffers: 3 MiB at H = 1024)
 TILE_MIN_VOCAB = 256  # a tile holds every token when that leaves at least this many vocabulary columns
 VOCAB_ALIGN = 64  # vocabulary tiles are multiples of this (below it, any size: the tests use tiny tiles)
 
@@ -333,8 +335,8 @@ class TiledLinearSoftmax:
     The [n, V] logits are visited in [c, vb] tiles (vocabulary blocks outside, token chunks inside), twice:
 
     * ``stats()``: an online log-sum-exp over the vocabulary blocks (running max, sum exp, sum p*z per token),
-      giving log-prob, entropy, log-sum-exp and E_p[z] for every token;
-    * ``grad(g_lp, g_ent, lse, ez)``: each tile's logits are recomputed, turned into
+      giving log-prob, entropy, log-sum-exp and lse - E_p[z] (the unmasked row's entropy) for every token;
+    * ``grad(g_lp, g_ent, lse, gap)``: each tile's logits are recomputed, turned into
       dz = (g_lp (onehot - p) - g_H p (z - E_p[z])) / T and multiplied at once:
       dW[block] (+)= dz^T h, dh[chunk] += dz W[block], db[block] += sum(dz).
 
@@ -406,7 +408,7 @@ class TiledLinearSoftmax:
 
     def _logits(self, h, wb, v0, v1, k0, k1, shift=None):
         """fp32 (fp64) logits of tokens [k0, k1) and vocabulary [v0, v1), scaled by 1/T, clamped, minus the
-        per-token ``shift`` when given (fused into the upcast where possible)."""
+        per-token ``shift`` when given."""
         c, w = k1 - k0, v1 - v0
         z = self.zbuf[: c * w].view(c, w)
         if self.lowbuf is None:
@@ -415,16 +417,14 @@ class TiledLinearSoftmax:
         else:
             src = self.lowbuf[: c * w].view(c, w)
             torch.mm(h, wb.t(), out=src)
-        simple = self.bias is None and not self.scale and not self.clamp
-        if simple and shift is not None:
-            torch.sub(src, shift.unsqueeze(-1), out=z)  # upcast and shift in one pass
-            return z
-        if self.bias is not None:
-            torch.add(src, self.bias[v0:v1], out=z)
-        elif self.scale:
-            torch.mul(src, self.inv_t[k0:k1].unsqueeze(-1), out=z)
-        elif src is not z:
+        # upcast first, then work in place: an op mixing the bf16 tile with fp32 operands would make a fp32
+        # temporary of the whole tile on CPU (one more allocation and pass per tile)
+        if src is not z:
             z.copy_(src)
+        if self.bias is not None:
+            z.add_(self.bias[v0:v1])
+        elif self.scale:
+            z.mul_(self.inv_t[k0:k1].unsqueeze(-1))
         if self.bias is not None and self.scale:
             z.mul_(self.inv_t[k0:k1].unsqueeze(-1))
         if self.clamp:
@@ -448,7 +448,7 @@ class TiledLinearSoftmax:
         return (yc - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1), inb
 
     def stats(self):
-        """(lp [n], entropy [n] | None, lse [n], E_p[z] [n]) over the active tokens, in the acc dtype."""
+        """(lp, entropy | None, lse, lse - E_p[z]), each [n] over the active tokens, in the acc dtype."""
         n, V = self.n, self.weight.shape[0]
         dev, acc = self.hidden.device, self.acc
         m = torch.full((n,), NEG_LOGIT, dtype=acc, device=dev)
@@ -467,7 +467,7 @@ class TiledLinearSoftmax:
                     m_new = torch.maximum(m_old, low.amax(dim=1).to(acc))
                     zy[k0:k1] = torch.where(inb, low.gather(1, col).squeeze(1).to(acc), zy[k0:k1])
                     z = self.zbuf[: low.numel()].view_as(low)
-                    torch.sub(low, m_new.unsqueeze(-1), out=z)  # upcast and shift in one pass
+                    z.copy_(low).sub_(m_new.unsqueeze(-1))  # in place: no fp32 temporary of the tile
                 else:
                     z = self._logits(self._rows(k0, k1), wb, v0, v1, k0, k1)
                     zy[k0:k1] = torch.where(inb, z.gather(1, col).squeeze(1), zy[k0:k1])
@@ -487,25 +487,33 @@ class TiledLinearSoftmax:
         log_s = torch.log(s)
         zero = torch.zeros((), dtype=acc, device=dev)
         lp = torch.where(self.valid, (zy - m) - log_s, zero)  # relative to the max: no rounding at |z|
-        ts = t / s
-        ent = torch.where(self.valid, log_s - ts, zero) if self.need_ent else None
-        return lp, ent, m + log_s, m + ts
+        gap = log_s - t / s  # lse - E_p[z] without the max: no cancellation at large |z|
+        ent = torch.where(self.valid, gap, zero) if self.need_ent else None
+        return lp, ent, m + log_s, gap
 
-    def grad(self, g_lp, g_ent, lse, ez, *, need_h=True, need_w=True, need_b=False):
+    def grad(self, g_lp, g_ent, lse, gap, *, need_h=True, need_w=True, need_b=False):
         """(dh [N, H] | None, dW [V, H] | None, db [V] fp32 | None), dh and dW in the matmul dtype.
 
-        ``g_lp``, ``g_ent`` (or None), ``lse``, ``ez``: [n] per active token (from ``stats``); rows that are
-        not active get a zero hidden gradient."""
+        ``g_lp``, ``g_ent`` (or None), ``lse``, ``gap`` (lse - E_p[z]): [n] per active token (from ``stats``);
+        rows that are not active get a zero hidden gradient."""
         n, (V, H) = self.n, self.weight.shape
         N = self.hidden.shape[0]
         dev, acc, mm = self.hidden.device, self.acc, self.mm
         g_lp = g_lp.to(acc)
         g_ent = None if g_ent is None else g_ent.to(acc)
         # dh: accumulated across vocabulary blocks in fp32 (fp64): in place when the output is fp32 (fp64)
-        dh = dh_acc = None
-        if need_h:
-            dh = torch.zeros(N, H, dtype=mm, device=dev)
-            dh_acc = dh if mm == acc else torch.zeros(n, H, dtype=acc, device=dev)
+        # (bf16: the [N, H] output is made from the accumulator at the end, not held beside it)
+        dh = dh_acc = dh_part = dh_part32 = None
+        if need_h and mm == acc:
+            dh = dh_acc = torch.zeros(N, H, dtype=mm, device=dev)
+        elif need_h:
+            dh_acc = torch.zeros(n, H, dtype=acc, device=dev)
+            # each tile's partial dh, DH_ROWS tokens at a time: the bf16 product, upcast into an fp32 buffer,
+            # added. Two small buffers for every tile: a fresh [c, H] temporary per tile (or a mixed-dtype
+            # add, which makes one) costs tens of MiB at N = 8192 and fragments the heap
+            rows = min(self.c, DH_ROWS)
+            dh_part = torch.empty(rows, H, dtype=mm, device=dev)
+            dh_part32 = torch.empty(rows, H, dtype=acc, device=dev)
         # dW: blocks written once; in place when it is fp32 (fp64), else through a one-block fp32 buffer
         dw = dw_blk = None
         if need_w:
@@ -523,7 +531,7 @@ class TiledLinearSoftmax:
             # dz = p (-g_lp - g_H (z - E_p[z])) = p (a (z - lse) + b),
             # a = -g_H, b = -g_H (lse - E_p[z]) - g_lp
             shift, factor = lse, None
-            a_ent, b_ent = -g_ent, -g_ent * (lse - ez) - g_lp
+            a_ent, b_ent = -g_ent, -g_ent * gap - g_lp
         if self.scale:
             factor = self.inv_t if factor is None else factor * self.inv_t
         for v0 in range(0, V, self.vb):
@@ -548,26 +556,15 @@ class TiledLinearSoftmax:
                 f = None if factor is None else factor[k0:k1].unsqueeze(-1)
                 if self.lowbuf is not None:
                     dzm = self.lowbuf[: dz.numel()].view_as(dz)
-                    if f is not None and (db is not None or dw_blk is not None):
-                        dz.mul_(f)  # the fp32 dz itself is used below
-                        f = None
-                    if f is None:
-                        dzm.copy_(dz)
-                    else:
-                        torch.mul(dz, f, out=dzm)
+                    if f is not None:  # in fp32 in place (db and fp32 dW blocks read dz), then one rounding
+                        dz.mul_(f)
+                    dzm.copy_(dz)
                     if db is not None:
                         db[v0:v1] += dz.sum(0)
                 else:
                     dzm = dz if f is None else dz.mul_(f)
                     if db is not None:
                         db[v0:v1] += dz.sum(0)
-                if dh is not None:
-                    if dh_acc is not dh:
-                        dh_acc[k0:k1] += dzm @ wb
-                    elif self.index is None:
-                        dh[k0:k1].addmm_(dzm, wb)
-                    else:
-                        dh.index_add_(0, self.index[k0:k1], dzm @ wb)
                 if dw is not None:
                     if dw.dtype == acc:
                         dw[v0:v1].addmm_(dzm.t(), h)
@@ -575,13 +572,31 @@ class TiledLinearSoftmax:
                         torch.mm(dzm.t(), h, out=dw[v0:v1])
                     else:  # several token chunks: fp32 products and sums, one rounding per block
                         dw_blk[: v1 - v0].addmm_(dz.t(), h.to(acc))
+                if dh_part is not None:
+                    for r0 in range(k0, k1, DH_ROWS):
+                        r1 = min(k1, r0 + DH_ROWS)
+                        part = torch.mm(dzm[r0 - k0 : r1 - k0], wb, out=dh_part[: r1 - r0])
+                        dh_acc[r0:r1] += dh_part32[: r1 - r0].copy_(part)
+                elif dh is not None and self.index is None:
+                    dh[k0:k1].addmm_(dzm, wb)
+                elif dh is not None:
+                    dh.index_add_(0, self.index[k0:k1], dzm @ wb)
             if dw_blk is not None:
                 dw[v0:v1] = dw_blk[: v1 - v0]
-        if dh is not None and dh_acc is not dh:
-            if self.index is None:
-                dh.copy_(dh_acc)
-            else:
-                dh.index_copy_(0, self.index, dh_acc.to(dh.dtype))
+        if dh_part is not None:
+            # the last pass: release the tiles before the bf16 output is made, in row blocks, from its
+            # accumulator (no [n, H] temporary beside the two)
+            self.zbuf = self.ebuf = self.lowbuf = self.h_all = None
+            dh_part = dh_part32 = h = z = dz = dzm = p = part = None  # the views that keep them alive
+            dh = torch.zeros(N, H, dtype=mm, device=dev) if self.index is not None else None
+            if dh is None:
+                dh = torch.empty(N, H, dtype=mm, device=dev)
+            for r0 in range(0, n, DH_ROWS):
+                r1 = min(n, r0 + DH_ROWS)
+                if self.index is None:
+                    dh[r0:r1].copy_(dh_acc[r0:r1])
+                else:
+                    dh.index_copy_(0, self.index[r0:r1], dh_acc[r0:r1].to(mm))
         return dh, dw, db
 
 
@@ -842,12 +857,12 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 op="logprobs",
                 index=index,
             )
-            lp_a, ent_a, lse, ez = eng.stats()
+            lp_a, ent_a, lse, gap = eng.stats()
             rows = slice(None) if index is None else index
             lp[rows] = lp_a
             if need_ent:
                 ent[rows] = ent_a
-            stats = (lse, ez)  # the backward pass needs no forward recomputation
+            stats = (lse, gap)  # the backward pass needs no forward recomputation
         else:
             eng = ChunkEngine(
                 hidden,
@@ -905,12 +920,12 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 index=index,
             )
             sel = (lambda x: x) if index is None else (lambda x: x[index])
-            lse, ez = stats
+            lse, gap = stats
             dh, dw, db = eng.grad(
                 sel(g_lp),
                 None if g_ent is None else sel(g_ent),
                 lse,
-                ez,
+                gap,
                 need_h=need_h,
                 need_w=need_w,
                 need_b=need_b,
