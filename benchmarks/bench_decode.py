@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -92,8 +93,6 @@ def _sync(device: torch.device) -> None:
 def time_generate(model, prompts, lengths: tuple[int, int], device, reps: int) -> tuple[float, float]:
     """Median wall seconds of `generate` (EOS disabled) at each of two lengths, interleaved rep by rep so both
     see the same conditions, after one warm-up each (compilation, allocator, autotuning)."""
-    import statistics
-
     from bitrl.rollout.engine import generate
 
     def once(new_tokens):
@@ -170,8 +169,6 @@ def main(argv=None) -> int:
         # written after every precision: a run stopped by a time limit keeps what it measured
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-        if model is not policy:
-            del model
     return 0
 
 

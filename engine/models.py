@@ -127,7 +127,7 @@ def converted_gguf_dir(path: Path, dtype: str) -> Path:
     release that dequantized it (releases have converted the same file differently)."""
     import transformers
 
-    from bitrl.engine.warmstart import cache_root
+    from bitrl.kernels._common import cache_root
 
     return cache_root() / "gguf" / f"{file_digest(path)[:16]}-{dtype}-transformers{transformers.__version__}"
 

@@ -7,18 +7,14 @@ import hashlib
 import json
 import os
 import random
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_model, save_model
 
 import bitrl
 from bitrl.engine.evaluate import accuracy, encode_prompts
+from bitrl.kernels._common import cache_root
 from bitrl.rollout.engine import left_pad, position_ids_from_mask
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("BITRL_CACHE", Path.home() / ".cache" / "bitrl"))
 
 
 def cache_key(cfg) -> str:

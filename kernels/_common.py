@@ -14,8 +14,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
+
+
+def cache_root() -> Path:
+    """bitrl's cache folder: ``$BITRL_CACHE``, default ``~/.cache/bitrl`` (warm starts, converted models,
+    compiled kernels)."""
+    return Path(os.environ.get("BITRL_CACHE", Path.home() / ".cache" / "bitrl"))
+
 
 try:  # Triton is optional: `import bitrl.kernels` must work without it.
     import triton  # noqa: F401

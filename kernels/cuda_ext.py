@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ._common import cache_root
+
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ("sampler.cu", "fp4_gemv.cu")
 ARCHS = ("sm_90a", "sm_100a")
@@ -99,8 +101,7 @@ def load_library() -> ctypes.CDLL:
     digest = hashlib.sha256()
     for p in sorted(CSRC.glob("*.[ch]*")):
         digest.update(p.read_bytes())
-    cache = Path(os.environ.get("BITRL_CACHE", Path.home() / ".cache" / "bitrl"))
-    out = cache / "csrc" / f"{digest.hexdigest()[:16]}-{arch}"
+    out = cache_root() / "csrc" / f"{digest.hexdigest()[:16]}-{arch}"
     lib = out / "libbitrl_kernels.so"
     if not lib.exists():
         build_library(out, (arch,))

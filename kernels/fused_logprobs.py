@@ -588,9 +588,8 @@ class TiledLinearSoftmax:
             # accumulator (no [n, H] temporary beside the two)
             self.zbuf = self.ebuf = self.lowbuf = self.h_all = None
             dh_part = dh_part32 = h = z = dz = dzm = p = part = None  # the views that keep them alive
-            dh = torch.zeros(N, H, dtype=mm, device=dev) if self.index is not None else None
-            if dh is None:
-                dh = torch.empty(N, H, dtype=mm, device=dev)
+            # inactive rows stay zero when only some rows are active
+            dh = (torch.empty if self.index is None else torch.zeros)(N, H, dtype=mm, device=dev)
             for r0 in range(0, n, DH_ROWS):
                 r1 = min(n, r0 + DH_ROWS)
                 if self.index is None:

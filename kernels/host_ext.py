@@ -16,6 +16,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from ._common import cache_root
 from .cuda_ext import CSRC
 
 HOST_SOURCES = ("sampler_host.cc",)
@@ -67,8 +68,7 @@ def load_host_library() -> ctypes.CDLL | None:
     digest = hashlib.sha256(" ".join(CXX_FLAGS).encode())
     for name in (*HOST_SOURCES, *HEADERS):
         digest.update((CSRC / name).read_bytes())
-    cache = Path(os.environ.get("BITRL_CACHE", Path.home() / ".cache" / "bitrl"))
-    lib = cache / "csrc" / f"host-{digest.hexdigest()[:16]}" / "libbitrl_host.so"
+    lib = cache_root() / "csrc" / f"host-{digest.hexdigest()[:16]}" / "libbitrl_host.so"
     try:
         if not lib.exists():
             build_host_library(lib)
