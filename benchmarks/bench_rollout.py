@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ import types
 from pathlib import Path
 
 import torch
+
+from bitrl.benchmarks.stats import machine
 
 OLD_COMMIT = "1895635"
 REPO = Path(__file__).resolve().parent.parent
@@ -175,13 +176,7 @@ def main(argv=None):
         model.forward = plain_forward
     summary = summarize(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(
-        prompts=args.prompts,
-        new_tokens=args.new_tokens,
-        reps=args.reps,
-        cpus=os.cpu_count(),
-        torch=torch.__version__,
-    )
+    meta = dict(prompts=args.prompts, new_tokens=args.new_tokens, reps=args.reps, **machine())
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows, summary=summary), indent=1))
     print(table(summary))
 

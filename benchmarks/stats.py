@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 # two-sided 95% Student t quantiles by degrees of freedom (2.0 stands in above 15: within 0.13 of the truth)
 _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
@@ -15,3 +16,31 @@ def mean_ci95(values: list[float]) -> tuple[float, float]:
         raise ValueError(f"a confidence interval needs at least two values, got {len(values)}")
     half = _T95.get(len(values) - 1, 2.0) * statistics.stdev(values) / len(values) ** 0.5
     return statistics.mean(values), half
+
+
+def machine() -> dict:
+    """What a CPU figure depends on: the CPU model, its cores and whether it multiplies bf16 natively (AMX or
+    AVX-512 BF16; without either, torch emulates bf16 matmuls several times slower than fp32)."""
+    import os
+    import platform
+
+    import torch
+
+    flags, model = set(), platform.processor()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            model = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+    return dict(
+        cpu=model,
+        cpus=os.cpu_count(),
+        native_bf16=sorted(flags & {"amx_bf16", "avx512_bf16"}),
+        avx512=("avx512f" in flags),
+        torch=torch.__version__,
+    )

@@ -20,7 +20,8 @@ Continuous batching: samples wait in a queue; at most `max_batch_rows` slots dec
 sample's slot takes the next waiting one (its prompt's K/V copied in, its first token drawn from the
 prefill's last hidden state). The decode step detects finished rows on the device (EOS or budget) and writes
 tokens and log-probs into per-sample output buffers by index, so the host only looks every `sync_every`
-steps. Once the queue is empty, finished slots leave the batch when at most half of it is alive.
+steps. Once the queue is empty, finished slots leave the batch at once: the live rows past the new end move
+into the holes (one row of K/V each), and every buffer keeps its first rows as a view.
 
 Sampling: one 64-bit step seed per call from `generator`; row seeds = sample_seeds(step seed, sample id) and
 the counter is the response position, so a sample does not depend on the batch it runs in, its slot, the
@@ -236,10 +237,14 @@ class KVCache:
         part.k, part.v, part.dtype = [t[rows] for t in self.k], [t[rows] for t in self.v], self.dtype
         return part
 
-    def select_(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (in that order)."""
-        self.k = [t[rows] for t in self.k]
-        self.v = [t[rows] for t in self.v]
+    def compact_(self, dst: torch.Tensor, src: torch.Tensor, rows: int, width: int) -> None:
+        """Row dst[i] <- row src[i] (columns [0, width)), then keep rows [0, rows) as views (no copy of the
+        rows that stay)."""
+        for buffers in (self.k, self.v):
+            for layer, t in enumerate(buffers):
+                if dst.numel():
+                    t[dst, :, :width] = t[src, :, :width]
+                buffers[layer] = t[:rows]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -444,8 +449,15 @@ class Slots:
         for s in slots.tolist():
             self.steps_host[s] = 0
 
-    def select_(self, keep: torch.Tensor) -> None:
-        self.cache.select_(keep)
+    def compact_(self, alive: list[bool], width: int) -> None:
+        """Drop the finished slots: live slots past the first sum(alive) move into the holes before it (one
+        row of K/V each), and every buffer keeps its first sum(alive) rows as a view."""
+        live = sum(alive)
+        holes = [s for s in range(live) if not alive[s]]
+        movers = [s for s in range(live, len(alive)) if alive[s]]
+        dst = torch.tensor(holes, dtype=torch.long, device=self.alive.device)
+        src = torch.tensor(movers, dtype=torch.long, device=self.alive.device)
+        self.cache.compact_(dst, src, live, width)
         for name in (
             "visible",
             "sample",
@@ -458,8 +470,13 @@ class Slots:
             "seed",
             "alive",
         ):
-            setattr(self, name, getattr(self, name)[keep])
-        self.steps_host = [self.steps_host[i] for i in keep.tolist()]
+            t = getattr(self, name)
+            if holes:
+                t[dst] = t[src]
+            setattr(self, name, t[:live])
+        for d, s in zip(holes, movers):
+            self.steps_host[d] = self.steps_host[s]
+        del self.steps_host[live:]
 
 
 @dataclass
@@ -558,8 +575,10 @@ def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineO
             live = sum(alive)
             if live == 0:
                 break
-            if live <= len(alive) // 2 and step is decode_step:  # compiled: one shape, no shrinking
-                st.select_(torch.tensor([s for s, a in enumerate(alive) if a], device=device))
+            # Eager: decode the live rows only (a finished row costs as much as a live one where the step is
+            # compute-bound, as on a CPU). Compiled: one shape, no shrinking.
+            if live < len(alive) and step is decode_step:
+                st.compact_(alive, width)
     return out.without_spare(), steps
 
 
