@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from bitrl.benchmarks.stats import machine
+
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_integrations.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 H = 1024
@@ -334,7 +336,9 @@ def merge(rows: list[dict], path: Path = RESULTS):
     )
     old = json.loads(path.read_text())["rows"] if path.exists() else []
     merged = {key(r): r for r in old}
-    merged.update({key(r): r for r in rows})
+    # the machine of each row: bf16 rows in particular depend on whether the CPU multiplies bf16 natively
+    here = machine()
+    merged.update({key(r): {**r, "cpu": here["cpu"], "native_bf16": here["native_bf16"]} for r in rows})
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{os.cpu_count()}-core CPU, shared", "torch": torch.__version__}
     path.write_text(json.dumps({"meta": meta, "rows": list(merged.values())}, indent=1) + "\n")
