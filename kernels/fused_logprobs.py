@@ -408,7 +408,8 @@ class TiledLinearSoftmax:
 
     def _logits(self, h, wb, v0, v1, k0, k1, shift=None):
         """fp32 (fp64) logits of tokens [k0, k1) and vocabulary [v0, v1), scaled by 1/T, clamped, minus the
-        per-token ``shift`` when given."""
+        per-token shift when given: ``shift`` = (large [c], small [c]), subtracted one after the other (the
+        row max first: z - max is exact near the max, where p is not negligible)."""
         c, w = k1 - k0, v1 - v0
         z = self.zbuf[: c * w].view(c, w)
         if self.lowbuf is None:
@@ -430,7 +431,7 @@ class TiledLinearSoftmax:
         if self.clamp:
             z.clamp_(min=NEG_LOGIT)
         if shift is not None:
-            z.sub_(shift.unsqueeze(-1))
+            z.sub_(shift[0].unsqueeze(-1)).sub_(shift[1].unsqueeze(-1))
         return z
 
     def _low_logits(self, h, wb, k0, k1):
@@ -448,7 +449,9 @@ class TiledLinearSoftmax:
         return (yc - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1), inb
 
     def stats(self):
-        """(lp, entropy | None, lse, lse - E_p[z]), each [n] over the active tokens, in the acc dtype."""
+        """(lp, entropy | None, lse, lse - E_p[z]) over the active tokens, in the acc dtype: lp, entropy and
+        the gap [n]; lse [2, n] = (row max m, log sum exp(z - m)), log-sum-exp = their sum, kept apart
+        because at |z| ~ 1e3 the rounding of their fp32 sum alone would cost p a relative 1e-4 error."""
         n, V = self.n, self.weight.shape[0]
         dev, acc = self.hidden.device, self.acc
         m = torch.full((n,), NEG_LOGIT, dtype=acc, device=dev)
@@ -489,13 +492,13 @@ class TiledLinearSoftmax:
         lp = torch.where(self.valid, (zy - m) - log_s, zero)  # relative to the max: no rounding at |z|
         gap = log_s - t / s  # lse - E_p[z] without the max: no cancellation at large |z|
         ent = torch.where(self.valid, gap, zero) if self.need_ent else None
-        return lp, ent, m + log_s, gap
+        return lp, ent, torch.stack((m, log_s)), gap
 
     def grad(self, g_lp, g_ent, lse, gap, *, need_h=True, need_w=True, need_b=False):
         """(dh [N, H] | None, dW [V, H] | None, db [V] fp32 | None), dh and dW in the matmul dtype.
 
-        ``g_lp``, ``g_ent`` (or None), ``lse``, ``gap`` (lse - E_p[z]): [n] per active token (from ``stats``);
-        rows that are not active get a zero hidden gradient."""
+        ``g_lp``, ``g_ent`` (or None), ``gap`` (lse - E_p[z]): [n] per active token; ``lse`` [2, n] (both
+        from ``stats``). Rows that are not active get a zero hidden gradient."""
         n, (V, H) = self.n, self.weight.shape
         N = self.hidden.shape[0]
         dev, acc, mm = self.hidden.device, self.acc, self.mm
@@ -524,13 +527,13 @@ class TiledLinearSoftmax:
         if g_ent is None:
             # dz = -g p = -sign(g) exp(z - lse + log|g|), rows scaled by 1/T: one exp pass and one multiply
             # (the multiply also writes the low-precision copy for the matmuls)
-            shift = lse - torch.log(g_lp.abs())
+            shift = (lse[0], lse[1] - torch.log(g_lp.abs()))
             factor = -torch.sign(g_lp)
             onehot = -g_lp.abs()  # added at the target before the multiply: factor * (-|g|) = g
         else:
             # dz = p (-g_lp - g_H (z - E_p[z])) = p (a (z - lse) + b),
             # a = -g_H, b = -g_H (lse - E_p[z]) - g_lp
-            shift, factor = lse, None
+            shift, factor = (lse[0], lse[1]), None
             a_ent, b_ent = -g_ent, -g_ent * gap - g_lp
         if self.scale:
             factor = self.inv_t if factor is None else factor * self.inv_t
@@ -542,7 +545,7 @@ class TiledLinearSoftmax:
             for k0 in range(0, n, self.c):
                 k1 = min(n, k0 + self.c)
                 h = self._rows(k0, k1)
-                z = self._logits(h, wb, v0, v1, k0, k1, shift=shift[k0:k1])
+                z = self._logits(h, wb, v0, v1, k0, k1, shift=(shift[0][k0:k1], shift[1][k0:k1]))
                 col, inb = self._target_col(k0, k1, v0, v1)
                 if g_ent is None:
                     dz = z.exp_()

@@ -247,6 +247,27 @@ def test_property_matches_fp64(N, H, V, chunk, tile, scale, per_token, ignore_fr
         assert_as_accurate(g, u, r, atol=1e-4, rtol=1e-5, what=name)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [  # (N, H, V, chunk, tile, scale, per_token, ignore_frac, neg_inf, seed): logits / T in the thousands
+        (7, 7, 65, 6, 8, 30.0, True, 0.0, True, 5169),
+        (2, 4, 59, 4, 1000, 30.0, True, 0.5, False, 2209),
+        (8, 3, 45, 7, 8, 30.0, True, 0.5, False, 9403),
+    ],
+)
+def test_huge_logits_at_low_temperature_keep_fp32_accuracy(case):
+    """z / T ~ 1e3: the backward shifts the logits by the row max and by log sum exp(z - max) one after the
+    other; shifting by their fp32 sum (lse, rounded at 1e3) made dW up to 100x less accurate than unfused."""
+    N, H, V, chunk, tile, scale, per_token, ignore_frac, neg_inf, seed = case
+    h, w, y, b, t = _property_case(N, H, V, scale, per_token, ignore_frac, neg_inf, seed)
+    ref = _ref64(h, w, y, b, temperature=t)
+    with _tile_bytes(tile):
+        got = _run(fused_logprobs, h, w, y, b, temperature=t, impl="torch", chunk_size=chunk)
+    unf = _run(fused_logprobs_reference, h, w, y, b, temperature=t)
+    for name, g, u, r in zip(NAMES, got, unf, ref):
+        assert_as_accurate(g, u, r, atol=1e-4, rtol=1e-5, what=name)
+
+
 @needs_triton
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**PROPERTY)
