@@ -408,7 +408,7 @@ class TiledLinearSoftmax:
 
     def _logits(self, h, wb, v0, v1, k0, k1, shift=None):
         """fp32 (fp64) logits of tokens [k0, k1) and vocabulary [v0, v1), scaled by 1/T, clamped, minus the
-        per-token shift when given: ``shift`` = (large [c], small [c]), subtracted one after the other (the
+        per-token shift when given: ``shift`` [2, c] = (large, small), subtracted one after the other (the
         row max first: z - max is exact near the max, where p is not negligible)."""
         c, w = k1 - k0, v1 - v0
         z = self.zbuf[: c * w].view(c, w)
@@ -527,13 +527,13 @@ class TiledLinearSoftmax:
         if g_ent is None:
             # dz = -g p = -sign(g) exp(z - lse + log|g|), rows scaled by 1/T: one exp pass and one multiply
             # (the multiply also writes the low-precision copy for the matmuls)
-            shift = (lse[0], lse[1] - torch.log(g_lp.abs()))
+            shift = torch.stack((lse[0], lse[1] - torch.log(g_lp.abs())))
             factor = -torch.sign(g_lp)
             onehot = -g_lp.abs()  # added at the target before the multiply: factor * (-|g|) = g
         else:
             # dz = p (-g_lp - g_H (z - E_p[z])) = p (a (z - lse) + b),
             # a = -g_H, b = -g_H (lse - E_p[z]) - g_lp
-            shift, factor = (lse[0], lse[1]), None
+            shift, factor = lse, None
             a_ent, b_ent = -g_ent, -g_ent * gap - g_lp
         if self.scale:
             factor = self.inv_t if factor is None else factor * self.inv_t
@@ -545,7 +545,7 @@ class TiledLinearSoftmax:
             for k0 in range(0, n, self.c):
                 k1 = min(n, k0 + self.c)
                 h = self._rows(k0, k1)
-                z = self._logits(h, wb, v0, v1, k0, k1, shift=(shift[0][k0:k1], shift[1][k0:k1]))
+                z = self._logits(h, wb, v0, v1, k0, k1, shift=shift[:, k0:k1])
                 col, inb = self._target_col(k0, k1, v0, v1)
                 if g_ent is None:
                     dz = z.exp_()
