@@ -6,7 +6,8 @@ Kernel rows (forward + backward, temperature 0.7 for log-prob + entropy): bitrl 
 of 32768 and 4096-token tiles; the GRPO row adds TRL's clipped loss on its log-probs), Liger-Kernel eager
 (``LigerFusedLinearGRPOLoss``, GRPO row only: Liger's log-prob + entropy op is Triton-only) and the naive
 torch path. Each row's variants are timed round-robin in ONE subprocess (machine noise hits them alike);
-peak memory is the growth of the peak RSS of one forward + backward in a fresh subprocess per variant. Every
+peak memory is the growth of the peak RSS of one forward + backward in a fresh subprocess per variant, after a
+warm-up call on tiny inputs (so that code pages, thread pools and allocator arenas are not counted). Every
 subprocess runs under an address-space limit (``--mem-cap-gb``), and a variant whose planned working set
 exceeds the cap is recorded as "out of memory at X GB (planned)" instead of being run.
 
@@ -168,6 +169,9 @@ def child(spec: dict) -> dict:
     fns = {n: variant_fn(spec["op"], n) for n in spec["names"]}
     if spec["mode"] == "memory":
         (name,) = spec["names"]
+        # a warm-up call on tiny inputs first: the library code it pages in, thread pools and allocator
+        # arenas are the process's, not the working set of the measured call (~15 MiB on CPU)
+        fns[name](make_inputs(64, 512, DTYPES[spec["dtype"]]))
         with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
             f.write("5")
         base = _status_kib("VmRSS")

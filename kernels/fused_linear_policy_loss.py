@@ -13,7 +13,8 @@ returns ``(loss, metrics)`` exactly like ``policy_loss`` applied to ``fused_logp
 On the torch backend (CPU), bf16 weights take two passes over [tokens x vocabulary] tiles instead
 (``TiledLinearSoftmax``: log-probs first, then the loss gradient for the whole batch, then d hidden / d weight
 tile by tile, 4 matmuls) so that the bf16 weight gradient is written block by block without an fp32 [V, H]
-accumulator beside it; see ``_tiled``.
+accumulator beside it, and so do fp32 weights when one sequence's logits exceed the tile budget; see
+``_torch_path``.
 
 ``FusedLinearGRPOLoss`` is an ``nn.Module`` whose constructor and forward accept the arguments of
 Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (same meaning, same ``(loss, metrics_tuple)`` return), plus
@@ -69,6 +70,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         out,
         need_grad,
         unit_t,
+        tiled,
     ):
         B, T = plan.mask.shape
         acc = acc_dtype(hidden)
@@ -84,7 +86,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         index = active.nonzero().squeeze(1)
         starts = torch.arange(0, B + rows_per_chunk, rows_per_chunk, device=index.device).clamp(max=B) * T
         bounds = torch.searchsorted(index, starts).tolist()
-        if _tiled(backend, hidden):
+        if tiled:
             dh, dw, db, total, parts_acc = _torch_backend(
                 hidden,
                 weight,
@@ -169,27 +171,39 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
                 return None
             return g if unit else g * grad_out.to(g.dtype)
 
-        return (sc(dh), sc(dw), sc(db)) + (None,) * 10
+        return (sc(dh), sc(dw), sc(db)) + (None,) * 11
 
 
-def _tiled(backend: str, hidden: torch.Tensor) -> bool:
-    """Which torch-backend path the loss takes; both produce the gradient inside the forward.
+def _torch_path(impl: str, hidden: torch.Tensor, V: int, T: int, chunk_size: int | None) -> tuple[bool, int]:
+    """(tiled, sequences per chunk): which path the loss takes; both produce the gradient inside the forward.
 
     No per-token loss coefficient needs a statistics pass over the logits: everything batch-wide (rollout
     corrections such as AIS's lambda, keep-masks, normalisers) comes from ``build_plan`` before any logits,
-    and chunks hold whole sequences, so a chunk's loss gradient is known as soon as its log-probs are. The
-    choice is about the weight gradient:
+    and chunks hold whole sequences, so a chunk's loss gradient is known as soon as its log-probs are.
 
-    * fp32 (fp64) weights, and fp16 ones on CPU (multiplied in fp32): ONE pass, 3 matmuls per chunk of
-      ``TILE_BYTES["loss"]`` of logits (at least one sequence): logits, then d hidden, and d W accumulated in
-      place in the fp32 gradient itself.
-    * bf16 weights: TWO passes over [tokens x vocabulary] tiles (statistics, then gradient; 4 matmuls) so
-      that dW is written block by block, each block one bf16 matmul over every token. One pass would
-      accumulate dW across token chunks: an fp32 [V, H] buffer beside the bf16 gradient (128 MiB at V=32768,
-      H=1024, where the two passes peak at 141 MiB in all at N=4096), and CPU bf16 matmuls only write bf16,
-      so each chunk's partial dW would be rounded before its fp32 sum, and the small-K accumulation itself
-      cost 2.5x one matmul over all tokens when measured (256-token chunks; 10x with 64)."""
-    return backend == "torch" and tile_matmul_dtype(hidden) != acc_dtype(hidden)
+    * ONE pass, 3 matmuls per chunk of whole sequences (``ChunkEngine``): logits, then d hidden, and d W
+      accumulated in place in the fp32 gradient itself. For fp32 (fp64) weights, and fp16 ones on CPU
+      (multiplied in fp32), when one sequence's logits fit in ``TILE_BYTES["loss"]`` (or ``chunk_size``
+      says how many sequences a chunk holds); on CUDA always.
+    * TWO passes over [tokens x vocabulary] tiles (``TiledLinearSoftmax``: statistics, then the loss
+      gradient for the whole batch, then d hidden / d W tile by tile; 4 matmuls) on the torch backend:
+      - for bf16 weights, so that dW is written block by block, each block one bf16 matmul over every token.
+        One pass would accumulate dW across token chunks: an fp32 [V, H] buffer beside the bf16 gradient
+        (128 MiB at V=32768, H=1024, where the two passes peak at 141 MiB in all at N=4096), and CPU bf16
+        matmuls only write bf16, so each chunk's partial dW would be rounded before its fp32 sum;
+      - for fp32 when one sequence's logits exceed the tile budget (V = 151936, T = 256: 148 MiB for one
+        sequence, 1.2 GiB at T = 2048): the tiles then split the vocabulary, at ~1.15-1.3x the time of one
+        pass with whole-sequence chunks."""
+    low = tile_matmul_dtype(hidden) != acc_dtype(hidden)
+    if chunk_size is not None:
+        return impl == "torch" and low, int(chunk_size)
+    if impl != "torch":
+        return False, max(1, default_chunk_size(V, hidden.device) // max(T, 1))
+    budgets = TILE_BYTES["loss"]
+    rows = default_chunk_size(V, hidden.device, budgets.get(hidden.device.type, budgets["cpu"])) // max(T, 1)
+    if low or rows == 0:
+        return True, 0  # tiles are sized by TILE_BYTES["loss"] and hold every sequence when they can
+    return False, rows
 
 
 def _evaluate(lp_rows, ent_rows, plan, rows, use_triton_loss, need_grad, ent_grad):
@@ -406,24 +420,29 @@ def fused_linear_policy_loss(
         and correction not in ("none", ["none"], ("none",))
     ):
         raise ValueError("old_logprobs: required for a rollout correction in fused_linear_policy_loss")
-    if chunk_size is None and _tiled(impl, h2):  # tiles are sized by TILE_BYTES["loss"]
-        rows = max(1, B)
-    elif chunk_size is None:
-        budget = None
-        if impl == "torch":
-            budgets = TILE_BYTES["loss"]
-            budget = budgets.get(h2.device.type, budgets["cpu"])
-        rows = max(1, default_chunk_size(weight.shape[0], h2.device, budget) // max(T, 1))
-    else:
-        rows = int(chunk_size)
-        if rows <= 0:
-            raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
+    if chunk_size is not None and int(chunk_size) <= 0:
+        raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
+    tiled, rows = _torch_path(impl, h2, weight.shape[0], T, chunk_size)
+    rows = rows or max(1, B)
     need_ent = bool(compute_entropy or entropy_coef)
     out: dict = {}
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))
     unit_t = not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0
     loss = FusedLinearPolicyLossFunction.apply(
-        h2, weight, bias, y, inv_t, plan, int(ignore_index), rows, impl, need_ent, out, need_grad, unit_t
+        h2,
+        weight,
+        bias,
+        y,
+        inv_t,
+        plan,
+        int(ignore_index),
+        rows,
+        impl,
+        need_ent,
+        out,
+        need_grad,
+        unit_t,
+        tiled,
     )
     if check_finite:
         check_linear_outputs((loss.detach(),), h2, weight, bias)

@@ -128,6 +128,31 @@ def test_chunking_is_exact_for_every_loss(loss_type, monkeypatch):
                 assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_sequences_longer_than_a_tile_take_tiles(dtype, loss_type, monkeypatch):
+    """fp32 / fp64 sequences whose logits exceed the tile budget go through [tokens x vocabulary] tiles
+    (several token chunks x several vocabulary blocks, masked tokens skipped) and give the unfused result."""
+    flpl = importlib.import_module("bitrl.kernels.fused_linear_policy_loss")
+    B, T, V = 3, 24, 41
+    h, w, y, old, adv, mask, ref, roll = _case(B=B, T=T, V=V, dtype=dtype, seed=5)
+    mask[1, 5:9] = 0  # a hole inside a sequence: the active rows are not one run
+    monkeypatch.setattr(fl, "TILE_MIN_VOCAB", 16)
+    # the logits of one sequence (24 x 41 fp32) exceed the budget; tiles of 7 tokens x 16 columns
+    monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", 7 * 16 * torch.finfo(dtype).bits // 8)
+    assert flpl._torch_path("torch", h.reshape(B * T, -1), V, T, None) == (True, 0)
+    kw = dict(KW, loss_type=loss_type, ref_logprobs=ref, rollout_logprobs=roll, loss_agg_mode="token-mean")
+    args64 = [x.double() if x.is_floating_point() else x for x in (h, w, y, old, adv, mask)]
+    kw64 = dict(kw, ref_logprobs=ref.double(), rollout_logprobs=roll.double())
+    want = _run(fused_linear_policy_loss_reference, *args64, **kw64)
+    got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", **kw)
+    tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-6, rtol=1e-5)
+    for name, a, b in zip(("loss", "d_hidden", "d_weight"), got[:3], want[:3]):
+        assert a.dtype == (torch.float32 if name == "loss" and dtype == torch.float32 else dtype), name
+        assert_close(a.double(), b, what=name, **tol)
+    assert_close(got[1][2].double(), torch.zeros_like(want[1][2]), atol=0, rtol=0, what="masked rows")
+
+
 def test_on_policy_ignore_index_bias_and_no_grad():
     h, w, y, _, adv, mask, _, _ = _case(B=2, T=4, dtype=D, seed=4)
     y[1, 2] = -100
