@@ -52,6 +52,10 @@ from .policy_loss import (
 
 __all__ = ["fused_linear_policy_loss", "fused_linear_policy_loss_reference", "FusedLinearGRPOLoss"]
 
+# The largest chunk of one sequence's fp32 logits the one-pass torch path takes (beyond, tiles; see
+# _torch_path). Up to it the one pass is faster; beyond it its memory grows with the sequence length.
+ONE_PASS_SEQUENCE_BYTES = 128 * 2**20
+
 
 class FusedLinearPolicyLossFunction(torch.autograd.Function):
     @staticmethod
@@ -183,17 +187,18 @@ def _torch_path(impl: str, hidden: torch.Tensor, V: int, T: int, chunk_size: int
 
     * ONE pass, 3 matmuls per chunk of whole sequences (``ChunkEngine``): logits, then d hidden, and d W
       accumulated in place in the fp32 gradient itself. For fp32 (fp64) weights, and fp16 ones on CPU
-      (multiplied in fp32), when one sequence's logits fit in ``TILE_BYTES["loss"]`` (or ``chunk_size``
-      says how many sequences a chunk holds); on CUDA always.
+      (multiplied in fp32): chunks of as many sequences as fit in ``TILE_BYTES["loss"]``, or of one while
+      its logits fit in ``ONE_PASS_SEQUENCE_BYTES`` (or of ``chunk_size`` sequences); on CUDA always.
     * TWO passes over [tokens x vocabulary] tiles (``TiledLinearSoftmax``: statistics, then the loss
       gradient for the whole batch, then d hidden / d W tile by tile; 4 matmuls) on the torch backend:
       - for bf16 weights, so that dW is written block by block, each block one bf16 matmul over every token.
         One pass would accumulate dW across token chunks: an fp32 [V, H] buffer beside the bf16 gradient
         (128 MiB at V=32768, H=1024, where the two passes peak at 141 MiB in all at N=4096), and CPU bf16
         matmuls only write bf16, so each chunk's partial dW would be rounded before its fp32 sum;
-      - for fp32 when one sequence's logits exceed the tile budget (V = 151936, T = 256: 148 MiB for one
-        sequence, 1.2 GiB at T = 2048): the tiles then split the vocabulary, at ~1.15-1.3x the time of one
-        pass with whole-sequence chunks."""
+      - for fp32 when one sequence's logits exceed ``ONE_PASS_SEQUENCE_BYTES`` (V = 151936: 148 MiB at
+        T = 256, 1.2 GiB at T = 2048): the tiles then split the vocabulary. Measured on CPU, N=2048
+        V=151936 T=128 (74 MiB per sequence): 37.9 s tiled against 36.0 s in one pass; N=8192 V=32768
+        T=512 (64 MiB): 31 s against 24.4 s, hence one pass up to 128 MiB."""
     low = tile_matmul_dtype(hidden) != acc_dtype(hidden)
     if chunk_size is not None:
         return impl == "torch" and low, int(chunk_size)
@@ -201,9 +206,9 @@ def _torch_path(impl: str, hidden: torch.Tensor, V: int, T: int, chunk_size: int
         return False, max(1, default_chunk_size(V, hidden.device) // max(T, 1))
     budgets = TILE_BYTES["loss"]
     rows = default_chunk_size(V, hidden.device, budgets.get(hidden.device.type, budgets["cpu"])) // max(T, 1)
-    if low or rows == 0:
+    if low or (rows == 0 and T * V * 4 > ONE_PASS_SEQUENCE_BYTES):
         return True, 0  # tiles are sized by TILE_BYTES["loss"] and hold every sequence when they can
-    return False, rows
+    return False, max(1, rows)
 
 
 def _evaluate(lp_rows, ent_rows, plan, rows, use_triton_loss, need_grad, ent_grad):

@@ -504,20 +504,22 @@ class TiledLinearSoftmax:
         dev, acc, mm = self.hidden.device, self.acc, self.mm
         g_lp = g_lp.to(acc)
         g_ent = None if g_ent is None else g_ent.to(acc)
-        # dh: accumulated across vocabulary blocks in fp32 (fp64): in place when the output is fp32 (fp64)
-        # (bf16: the [N, H] output is made from the accumulator at the end, not held beside it)
+        # dh: accumulated across vocabulary blocks in fp32 (fp64): in place when the output is fp32 (fp64) and
+        # every row is active; else in an [n, H] accumulator of the active rows from which the [N, H] output
+        # is made at the end, once the tiles are released (bf16, or fp32 with inactive rows: index_add_ into
+        # the output instead runs at ~60 ms per [512, 1024] block on CPU, a fifth of the whole op)
         dh = dh_acc = dh_part = dh_part32 = None
-        rows = min(self.c, DH_ROWS)
-        if need_h and mm == acc:
+        if need_h and mm == acc and self.index is None:
             dh = dh_acc = torch.zeros(N, H, dtype=mm, device=dev)
         elif need_h:
             dh_acc = torch.zeros(n, H, dtype=acc, device=dev)
-            dh_part32 = torch.empty(rows, H, dtype=acc, device=dev)
-        if need_h and (mm != acc or self.index is not None):
-            # each tile's partial dh, DH_ROWS tokens at a time, in a reusable buffer: bf16 products upcast
-            # into an fp32 buffer and added, fp32 ones of active rows added at their rows. A fresh [c, H]
-            # temporary per tile (or a mixed-dtype add, which makes one) costs tens of MiB at N = 8192
+        if need_h and mm != acc:
+            # each tile's partial dh, DH_ROWS tokens at a time: the bf16 product, upcast into an fp32 buffer,
+            # added. Two small buffers for every tile: a fresh [c, H] temporary per tile (or a mixed-dtype
+            # add, which makes one) costs tens of MiB at N = 8192 and fragments the heap
+            rows = min(self.c, DH_ROWS)
             dh_part = torch.empty(rows, H, dtype=mm, device=dev)
+            dh_part32 = torch.empty(rows, H, dtype=acc, device=dev)
         # dW: blocks written once; in place when it is fp32 (fp64), else through a one-block fp32 buffer
         dw = dw_blk = None
         if need_w:
@@ -576,20 +578,17 @@ class TiledLinearSoftmax:
                         torch.mm(dzm.t(), h, out=dw[v0:v1])
                     else:  # several token chunks: fp32 products and sums, one rounding per block
                         dw_blk[: v1 - v0].addmm_(dz.t(), h.to(acc))
-                if dh_part is None and dh is not None:
-                    dh[k0:k1].addmm_(dzm, wb)
-                elif dh_part is not None:
+                if dh_part is not None:
                     for r0 in range(k0, k1, DH_ROWS):
                         r1 = min(k1, r0 + DH_ROWS)
                         part = torch.mm(dzm[r0 - k0 : r1 - k0], wb, out=dh_part[: r1 - r0])
-                        if dh_part32 is not None:
-                            dh_acc[r0:r1] += dh_part32[: r1 - r0].copy_(part)
-                        else:
-                            dh.index_add_(0, self.index[r0:r1], part)
+                        dh_acc[r0:r1] += dh_part32[: r1 - r0].copy_(part)
+                elif dh_acc is not None:
+                    dh_acc[k0:k1].addmm_(dzm, wb)
             if dw_blk is not None:
                 dw[v0:v1] = dw_blk[: v1 - v0]
-        if dh_part32 is not None:
-            # the last pass: release the tiles before the bf16 output is made, in row blocks, from its
+        if dh_acc is not None and dh is None:
+            # the last pass: release the tiles before the output is made, in row blocks, from its
             # accumulator (no [n, H] temporary beside the two)
             self.zbuf = self.ebuf = self.lowbuf = self.h_all = None
             dh_part = dh_part32 = h = z = dz = dzm = p = part = None  # the views that keep them alive

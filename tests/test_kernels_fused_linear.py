@@ -138,6 +138,7 @@ def test_sequences_longer_than_a_tile_take_tiles(dtype, loss_type, monkeypatch):
     h, w, y, old, adv, mask, ref, roll = _case(B=B, T=T, V=V, dtype=dtype, seed=5)
     mask[1, 5:9] = 0  # a hole inside a sequence: the active rows are not one run
     monkeypatch.setattr(fl, "TILE_MIN_VOCAB", 16)
+    monkeypatch.setattr(flpl, "ONE_PASS_SEQUENCE_BYTES", 1024)
     # the logits of one sequence (24 x 41 fp32) exceed the budget; tiles of 7 tokens x 16 columns
     monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", 7 * 16 * torch.finfo(dtype).bits // 8)
     assert flpl._torch_path("torch", h.reshape(B * T, -1), V, T, None) == (True, 0)
