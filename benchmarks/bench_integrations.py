@@ -144,8 +144,8 @@ def planned_gb(op: str, name: str, N: int, V: int, dtype: str) -> float:
         return nv * (7 if op == "logprob_entropy" else 5) + (nv / 2 if dtype == "bf16" else 0)
     if name == "trl":  # 4096-token x 32768-column tiles and their torch temporaries
         return min(N, 4096) * min(V, 32768) * 4 / 2**30 * 6
-    if name == "liger":  # chunks of 1 sequence, but autograd keeps every chunk's logits until backward
-        return nv * 2
+    if name == "liger":  # chunks of one sequence (N / 16 tokens): a few [T, V] fp32 tensors at a time
+        return (N // 16) * V * 4 / 2**30 * 4
     return 0.5  # bitrl: <= 128 MiB fp32 tiles (two with entropy)
 
 
