@@ -178,7 +178,9 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         return (sc(dh), sc(dw), sc(db)) + (None,) * 11
 
 
-def _torch_path(impl: str, hidden: torch.Tensor, V: int, T: int, chunk_size: int | None) -> tuple[bool, int]:
+def _torch_path(
+    impl: str, hidden: torch.Tensor, B: int, T: int, V: int, chunk_size: int | None
+) -> tuple[bool, int]:
     """(tiled, sequences per chunk): which path the loss takes; both produce the gradient inside the forward.
 
     No per-token loss coefficient needs a statistics pass over the logits: everything batch-wide (rollout
@@ -207,7 +209,7 @@ def _torch_path(impl: str, hidden: torch.Tensor, V: int, T: int, chunk_size: int
     budgets = TILE_BYTES["loss"]
     rows = default_chunk_size(V, hidden.device, budgets.get(hidden.device.type, budgets["cpu"])) // max(T, 1)
     if low or (rows == 0 and T * V * 4 > ONE_PASS_SEQUENCE_BYTES):
-        return True, 0  # tiles are sized by TILE_BYTES["loss"] and hold every sequence when they can
+        return True, max(1, B)  # tiles are sized by TILE_BYTES["loss"] and hold every sequence when they can
     return False, max(1, rows)
 
 
@@ -427,8 +429,7 @@ def fused_linear_policy_loss(
         raise ValueError("old_logprobs: required for a rollout correction in fused_linear_policy_loss")
     if chunk_size is not None and int(chunk_size) <= 0:
         raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
-    tiled, rows = _torch_path(impl, h2, weight.shape[0], T, chunk_size)
-    rows = rows or max(1, B)
+    tiled, rows = _torch_path(impl, h2, B, T, weight.shape[0], chunk_size)
     need_ent = bool(compute_entropy or entropy_coef)
     out: dict = {}
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))

@@ -141,7 +141,7 @@ def test_sequences_longer_than_a_tile_take_tiles(dtype, loss_type, monkeypatch):
     monkeypatch.setattr(flpl, "ONE_PASS_SEQUENCE_BYTES", 1024)
     # the logits of one sequence (24 x 41 fp32) exceed the budget; tiles of 7 tokens x 16 columns
     monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", 7 * 16 * torch.finfo(dtype).bits // 8)
-    assert flpl._torch_path("torch", h.reshape(B * T, -1), V, T, None) == (True, 0)
+    assert flpl._torch_path("torch", h.reshape(B * T, -1), B, T, V, None) == (True, B)
     kw = dict(KW, loss_type=loss_type, ref_logprobs=ref, rollout_logprobs=roll, loss_agg_mode="token-mean")
     args64 = [x.double() if x.is_floating_point() else x for x in (h, w, y, old, adv, mask)]
     kw64 = dict(kw, ref_logprobs=ref.double(), rollout_logprobs=roll.double())
