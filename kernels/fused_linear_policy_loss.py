@@ -10,10 +10,10 @@ returns ``(loss, metrics)`` exactly like ``policy_loss`` applied to ``fused_logp
 * the batch-wide parts (rollout corrections, masks, normalisers) come from ``policy_loss.build_plan``, so
   a chunked result equals the unchunked one.
 
-On the torch backend (CPU), bf16 weights take two passes over [tokens x vocabulary] tiles instead
+On the torch backend (CPU), bf16 and fp16 weights take two passes over [tokens x vocabulary] tiles instead
 (``TiledLinearSoftmax``: log-probs first, then the loss gradient for the whole batch, then d hidden / d weight
-tile by tile, 4 matmuls) so that the bf16 weight gradient is written block by block without an fp32 [V, H]
-accumulator beside it, and so do fp32 weights when one sequence's logits exceed the tile budget; see
+tile by tile, 4 matmuls) so that the low-precision weight gradient is written block by block without an fp32
+[V, H] accumulator beside it, and so do fp32 weights when one sequence's logits exceed the tile budget; see
 ``_torch_path``.
 
 ``FusedLinearGRPOLoss`` is an ``nn.Module`` whose constructor and forward accept the arguments of
@@ -36,7 +36,6 @@ from .fused_logprobs import (
     check_linear_outputs,
     default_chunk_size,
     fused_logprobs,
-    tile_matmul_dtype,
     validate_linear_inputs,
 )
 from .policy_loss import (
@@ -188,20 +187,22 @@ def _torch_path(
     and chunks hold whole sequences, so a chunk's loss gradient is known as soon as its log-probs are.
 
     * ONE pass, 3 matmuls per chunk of whole sequences (``ChunkEngine``): logits, then d hidden, and d W
-      accumulated in place in the fp32 gradient itself. For fp32 (fp64) weights, and fp16 ones on CPU
-      (multiplied in fp32): chunks of as many sequences as fit in ``TILE_BYTES["loss"]``, or of one while
-      its logits fit in ``ONE_PASS_SEQUENCE_BYTES`` (or of ``chunk_size`` sequences); on CUDA always.
+      accumulated in place in the fp32 gradient itself. For fp32 (fp64) weights: chunks of as many sequences
+      as fit in ``TILE_BYTES["loss"]``, or of one while its logits fit in ``ONE_PASS_SEQUENCE_BYTES`` (or of
+      ``chunk_size`` sequences); on CUDA always.
     * TWO passes over [tokens x vocabulary] tiles (``TiledLinearSoftmax``: statistics, then the loss
       gradient for the whole batch, then d hidden / d W tile by tile; 4 matmuls) on the torch backend:
-      - for bf16 weights, so that dW is written block by block, each block one bf16 matmul over every token.
-        One pass would accumulate dW across token chunks: an fp32 [V, H] buffer beside the bf16 gradient
-        (128 MiB at V=32768, H=1024, where the two passes peak at 141 MiB in all at N=4096), and CPU bf16
-        matmuls only write bf16, so each chunk's partial dW would be rounded before its fp32 sum;
+      - for bf16 and fp16 weights, so that dW is written block by block in its own dtype (each block one
+        bf16 matmul over every token, or summed in a one-block fp32 buffer where the matmuls run in fp32:
+        fp16, and bf16 on CPUs without bf16 units). One pass would accumulate dW across token chunks: an fp32
+        [V, H] buffer beside the bf16 gradient (128 MiB at V=32768, H=1024, where the two passes peak at
+        141 MiB in all at N=4096), and CPU bf16 matmuls only write bf16, so each chunk's partial dW would be
+        rounded before its fp32 sum;
       - for fp32 when one sequence's logits exceed ``ONE_PASS_SEQUENCE_BYTES`` (V = 151936: 148 MiB at
         T = 256, 1.2 GiB at T = 2048): the tiles then split the vocabulary. Measured on CPU, N=2048
         V=151936 T=128 (74 MiB per sequence): 37.9 s tiled against 36.0 s in one pass; N=8192 V=32768
         T=512 (64 MiB): 31 s against 24.4 s, hence one pass up to 128 MiB."""
-    low = tile_matmul_dtype(hidden) != acc_dtype(hidden)
+    low = hidden.dtype != acc_dtype(hidden)
     if chunk_size is not None:
         return impl == "torch" and low, int(chunk_size)
     if impl != "torch":

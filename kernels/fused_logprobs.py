@@ -16,12 +16,13 @@ Implementations (``impl=``, or ``BITRL_KERNEL_IMPL``):
   in-place gradient kernel forms dz; matmuls stay on cuBLAS with fp32 accumulation, dW accumulates in fp32.
 
 Numerics: log-sum-exp, entropy and dW accumulate in fp32 (fp64 when the inputs are fp64). On the torch
-backend, bf16 inputs multiply in bf16 (fp32 accumulation inside the GEMM, logits rounded to bf16 once, as in
-the unfused bf16 path, then fp32 for everything else; see ``TiledLinearSoftmax``), fp16 inputs on CPU in
-fp32. ``-inf`` logits (for instance from a ``-inf`` bias entry masking part of the vocabulary) are clamped to
--1e30 so that p = 0 there exactly and no NaN appears (a target on such an entry gets log-prob about -1e30).
-Non-finite hidden/weight values, NaN or +inf in the bias, and non-positive temperatures raise
-``ValueError``. Rows whose target is ``ignore_index`` get log-prob 0 and entropy 0 and no gradient.
+backend, bf16 inputs multiply in bf16 where the CPU has bf16 units (fp32 accumulation inside the GEMM, logits
+rounded to bf16 once, as in the unfused bf16 path, then fp32 for everything else; see ``TiledLinearSoftmax``)
+and in fp32 where it has not (``CPU_BF16_MATMUL``); fp16 inputs on CPU multiply in fp32. ``-inf`` logits
+(for instance from a ``-inf`` bias entry masking part of the vocabulary) are clamped to -1e30 so that p = 0
+there exactly and no NaN appears (a target on such an entry gets log-prob about -1e30). Non-finite
+hidden/weight values, NaN or +inf in the bias, and non-positive temperatures raise ``ValueError``. Rows
+whose target is ``ignore_index`` get log-prob 0 and entropy 0 and no gradient.
 """
 
 from __future__ import annotations
@@ -110,11 +111,34 @@ def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32
 
 
+def _cpu_bf16_matmul_dtype() -> torch.dtype:
+    """bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX), else fp32: without those units torch
+    emulates bf16 GEMMs, measured at ~15 GFLOP/s against 100-140 for fp32 on an AVX2 CPU."""
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        native = False
+    return torch.bfloat16 if native else torch.float32
+
+
+# The matmul dtype of bf16 inputs on CPU (see tile_matmul_dtype); a module attribute so that the tests run
+# both paths on any machine.
+CPU_BF16_MATMUL = _cpu_bf16_matmul_dtype()
+
+
 def tile_matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    """Operand dtype of the torch backend's matmuls: the input dtype, except fp16 on CPU (fp32: CPU fp16
-    GEMMs run 3-300x slower than fp32 ones). bf16 GEMMs accumulate in fp32 and round the result to bf16."""
-    if x.dtype == torch.float16 and x.device.type != "cuda":
+    """Operand dtype of the torch backend's matmuls: the input dtype, except on CPU
+    * fp16: fp32 (CPU fp16 GEMMs run 3-300x slower than fp32 ones);
+    * bf16: ``CPU_BF16_MATMUL``, bf16 where the CPU has bf16 units, else fp32 (an emulated bf16 GEMM runs
+      ~7x slower than an fp32 one). A bf16 GEMM accumulates in fp32 and rounds its result to bf16; an fp32
+      GEMM of the same bf16 operands forms the same exact products and sums and keeps the fp32 result.
+    Outputs (log-probs, gradients) keep their dtypes either way."""
+    if x.device.type == "cuda":
+        return x.dtype
+    if x.dtype == torch.float16:
         return torch.float32
+    if x.dtype == torch.bfloat16:
+        return CPU_BF16_MATMUL
     return x.dtype
 
 
@@ -350,7 +374,9 @@ class TiledLinearSoftmax:
     over all tokens of the tile, rounded once (when a tile cannot hold every token - beyond ~16k tokens at the
     default budget - the block is summed by fp32 matmuls into an fp32 buffer and rounded once), and each
     block's partial dh (rounded to bf16 by the matmul) is added into an fp32 accumulator: nothing is summed in
-    bf16 across tiles. fp16 on CPU multiplies in fp32 (CPU fp16 GEMMs run 3-300x slower than fp32 ones).
+    bf16 across tiles. fp16 on CPU, and bf16 on a CPU without bf16 units (``CPU_BF16_MATMUL``), multiply in
+    fp32: the same exact products and fp32 sums, without the roundings to bf16; each dW block is summed in a
+    one-block fp32 buffer and rounded once to the weight's dtype, dh is summed in fp32 and rounded once.
     """
 
     def __init__(
@@ -495,7 +521,7 @@ class TiledLinearSoftmax:
         return lp, ent, torch.stack((m, log_s)), gap
 
     def grad(self, g_lp, g_ent, lse, gap, *, need_h=True, need_w=True, need_b=False):
-        """(dh [N, H] | None, dW [V, H] | None, db [V] fp32 | None), dh and dW in the matmul dtype.
+        """(dh [N, H] | None, dW [V, H] | None, db [V] fp32 | None), dh and dW in the inputs' dtypes.
 
         ``g_lp``, ``g_ent`` (or None), ``gap`` (lse - E_p[z]): [n] per active token; ``lse`` [2, n] (both
         from ``stats``). Rows that are not active get a zero hidden gradient."""
@@ -509,8 +535,8 @@ class TiledLinearSoftmax:
         # is made at the end, once the tiles are released (bf16, or fp32 with inactive rows: index_add_ into
         # the output instead runs at ~60 ms per [512, 1024] block on CPU, a fifth of the whole op)
         dh = dh_acc = dh_part = dh_part32 = None
-        if need_h and mm == acc and self.index is None:
-            dh = dh_acc = torch.zeros(N, H, dtype=mm, device=dev)
+        if need_h and self.hidden.dtype == acc and self.index is None:
+            dh = dh_acc = torch.zeros(N, H, dtype=acc, device=dev)
         elif need_h:
             dh_acc = torch.zeros(n, H, dtype=acc, device=dev)
         if need_h and mm != acc:
@@ -520,11 +546,12 @@ class TiledLinearSoftmax:
             rows = min(self.c, DH_ROWS)
             dh_part = torch.empty(rows, H, dtype=mm, device=dev)
             dh_part32 = torch.empty(rows, H, dtype=acc, device=dev)
-        # dW: blocks written once; in place when it is fp32 (fp64), else through a one-block fp32 buffer
+        # dW: blocks written once; in place when it is fp32 (fp64), else (bf16, fp16) straight from one bf16
+        # matmul over every token when a tile holds them all, or through a one-block fp32 buffer
         dw = dw_blk = None
         if need_w:
-            dw = torch.zeros(V, H, dtype=mm, device=dev)
-            if mm != acc and n > self.c:
+            dw = torch.zeros(V, H, dtype=self.weight.dtype, device=dev)
+            if dw.dtype != acc and (mm == acc or n > self.c):
                 dw_blk = torch.empty(self.vb, H, dtype=acc, device=dev)
         db = torch.zeros(V, dtype=acc, device=dev) if need_b else None
         if g_ent is None:
@@ -576,8 +603,8 @@ class TiledLinearSoftmax:
                         dw[v0:v1].addmm_(dzm.t(), h)
                     elif dw_blk is None:  # one token chunk: the matmul sums every token, one rounding
                         torch.mm(dzm.t(), h, out=dw[v0:v1])
-                    else:  # several token chunks: fp32 products and sums, one rounding per block
-                        dw_blk[: v1 - v0].addmm_(dz.t(), h.to(acc))
+                    else:  # fp32 products and sums, one rounding per block
+                        dw_blk[: v1 - v0].addmm_(dz.t(), h if h.dtype == acc else h.to(acc))
                 if dh_part is not None:
                     for r0 in range(k0, k1, DH_ROWS):
                         r1 = min(k1, r0 + DH_ROWS)
@@ -593,13 +620,14 @@ class TiledLinearSoftmax:
             self.zbuf = self.ebuf = self.lowbuf = self.h_all = None
             dh_part = dh_part32 = h = z = dz = dzm = p = part = None  # the views that keep them alive
             # inactive rows stay zero when only some rows are active
-            dh = (torch.empty if self.index is None else torch.zeros)(N, H, dtype=mm, device=dev)
+            out = self.hidden.dtype
+            dh = (torch.empty if self.index is None else torch.zeros)(N, H, dtype=out, device=dev)
             for r0 in range(0, n, DH_ROWS):
                 r1 = min(n, r0 + DH_ROWS)
                 if self.index is None:
                     dh[r0:r1].copy_(dh_acc[r0:r1])
                 else:
-                    dh.index_copy_(0, self.index[r0:r1], dh_acc[r0:r1].to(mm))
+                    dh.index_copy_(0, self.index[r0:r1], dh_acc[r0:r1].to(out))
         return dh, dw, db
 
 

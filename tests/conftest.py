@@ -1,3 +1,4 @@
+import importlib
 import os
 
 import pytest
@@ -15,6 +16,26 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Warm starts cached by tests never touch the user's cache."""
     monkeypatch.setenv("BITRL_CACHE", str(tmp_path_factory.getbasetemp() / "bitrl-cache"))
+
+
+@pytest.fixture(params=[torch.bfloat16, torch.float32], ids=["bf16-matmuls", "fp32-matmuls"])
+def cpu_bf16_matmul(request, monkeypatch):
+    """Both CPU paths of bf16 inputs on any machine: bf16 GEMMs (CPUs with bf16 units) and fp32 GEMMs of
+    the bf16 operands (CPUs without them). Yields the matmul dtype."""
+    fl = importlib.import_module("bitrl.kernels.fused_logprobs")  # the module, not the function
+
+    monkeypatch.setattr(fl, "CPU_BF16_MATMUL", request.param)
+    return request.param
+
+
+def tile_elem_bytes(dtype: torch.dtype, entropy: bool) -> int:
+    """Bytes per [token x vocabulary] tile element of the torch backend: fp32 logits (and probabilities with
+    entropy), plus a bf16 copy where bf16 inputs multiply in bf16 (fp64: fp64 buffers)."""
+    fl = importlib.import_module("bitrl.kernels.fused_logprobs")
+    acc = 8 if dtype == torch.float64 else 4
+    bf16_gemms = fl.CPU_BF16_MATMUL == torch.bfloat16  # noqa: SIM300 (a module attribute, not a constant)
+    low = 2 if dtype == torch.bfloat16 and bf16_gemms else 0
+    return acc * (2 if entropy else 1) + low
 
 
 # Config overrides that shrink the demo model to one small layer, for tests that run the RL loop.

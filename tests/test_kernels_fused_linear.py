@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from conftest import tile_elem_bytes
 from test_kernels_helpers import LOW_DTYPES, assert_as_accurate, assert_close, needs_triton, triton_device
 
 from bitrl.kernels import FusedLinearGRPOLoss, fused_linear_policy_loss, fused_linear_policy_loss_reference
@@ -54,11 +55,11 @@ KW = dict(
 )
 
 
-@pytest.mark.parametrize("tile_bytes", [0, 10 * 20], ids=["one-tile", "small-tiles"])
+@pytest.mark.parametrize("tile_cols", [0, 20], ids=["one-tile", "small-tiles"])
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
-def test_as_accurate_as_unfused(dtype, tile_bytes, monkeypatch):
-    if tile_bytes:  # bf16 runs over tiles (10 bytes per element with entropy): 1 token x 20 columns
-        monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", tile_bytes)
+def test_as_accurate_as_unfused(dtype, tile_cols, cpu_bf16_matmul, monkeypatch):
+    if tile_cols:  # bf16 and fp16 run over tiles: 1 token x 20 columns
+        monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", tile_cols * tile_elem_bytes(dtype, entropy=True))
     h, w, y, old, adv, mask, ref, roll = _case(dtype=dtype)
     args64 = [x.double() if x.is_floating_point() else x for x in (h, w, y, old, adv, mask)]
     r64 = _run(
@@ -96,16 +97,17 @@ def test_as_accurate_as_unfused(dtype, tile_bytes, monkeypatch):
     )
     for name, a, u, r in zip(("loss", "d_hidden", "d_weight"), got[:3], unf[:3], r64[:3]):
         assert a.dtype == (torch.float32 if name == "loss" else dtype)
-        # bf16 over several vocabulary blocks: each block's partial dh leaves its matmul rounded to bf16 (then
-        # summed in fp32), one rounding more than the unfused single matmul: up to 2^-8 of |dh| more
-        rtol = 2.0**-8 if (name == "d_hidden" and dtype == torch.bfloat16 and tile_bytes) else 1e-5
+        # bf16 GEMMs over several vocabulary blocks: each block's partial dh leaves its matmul rounded to bf16
+        # (then summed in fp32), one rounding more than the unfused single matmul: up to 2^-8 of |dh| more
+        bf16_gemms = dtype == torch.bfloat16 and cpu_bf16_matmul == torch.bfloat16
+        rtol = 2.0**-8 if (name == "d_hidden" and bf16_gemms and tile_cols) else 1e-5
         assert_as_accurate(a, u, r, atol=1e-6, rtol=rtol, what=f"{dtype} {name}")
         if dtype == torch.float32:
             assert_close(a, r, atol=1e-6, rtol=1e-5, what=name)
     for k in ("clipfrac", "kl", "entropy", "ratio_mean", "is_weight_mean"):
-        # bf16 on CPU multiplies in bf16: the metrics inherit bf16-rounded logits, as the unfused path's do
+        # bf16 GEMMs: the metrics inherit bf16-rounded logits, as the unfused path's do
         assert_as_accurate(got[3][k], unf[3][k], r64[3][k], atol=1e-4, rtol=1e-3, what=k)
-        if dtype != torch.bfloat16:
+        if dtype != torch.bfloat16 or cpu_bf16_matmul == torch.float32:
             assert_close(got[3][k], r64[3][k], atol=1e-4, rtol=1e-3, what=k)
 
 
@@ -385,11 +387,14 @@ def _grpo_token_mean_fp64(h, w, bias, y, old, adv, mask, temperature, entropy_co
 @pytest.mark.parametrize("cols", ["narrow", "wide"])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
-def test_tiles_narrower_and_wider_than_hidden_against_formula(dtype, entropy_coef, cols, seed, monkeypatch):
+def test_tiles_narrower_and_wider_than_hidden_against_formula(
+    dtype, entropy_coef, cols, seed, cpu_bf16_matmul, monkeypatch
+):
     """Random shapes, masked and ignored tokens, an empty sequence, -inf bias entries and logits in the
-    hundreds; bf16 tiles of every token by fewer vocabulary columns than H (each tile's partial d hidden
-    goes through its own fp32 buffer) or more (through the free fp32 tile buffer); fp32/fp16 take the
-    single pass. Against the GRPO formula in fp64 and at least as accurate as the unfused path."""
+    hundreds; bf16 and fp16 tiles of every token by fewer vocabulary columns than H (with bf16 GEMMs each
+    tile's partial d hidden goes through its own fp32 buffer) or more (through the free fp32 tile buffer);
+    fp32 takes the single pass. Against the GRPO formula in fp64 and at least as accurate as the unfused
+    path."""
     g = torch.Generator().manual_seed(100 + seed)
     B, T = int(torch.randint(2, 5, (1,), generator=g)), int(torch.randint(3, 9, (1,), generator=g))
     H, V = int(torch.randint(20, 48, (1,), generator=g)), int(torch.randint(70, 300, (1,), generator=g))
@@ -408,7 +413,7 @@ def test_tiles_narrower_and_wider_than_hidden_against_formula(dtype, entropy_coe
     mask[-1] = 0  # an empty sequence
     # every token in one tile (TILE_MIN_VOCAB 1), about 8 or 64 columns per tile
     monkeypatch.setattr(fl, "TILE_MIN_VOCAB", 1)
-    elem = (10 if entropy_coef else 6) if dtype == torch.bfloat16 else 8
+    elem = tile_elem_bytes(dtype, entropy=bool(entropy_coef)) if dtype != torch.float32 else 8
     monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", elem * B * T * (8 if cols == "narrow" else 64))
     kw = dict(temperature=0.7, bias=bias, entropy_coef=entropy_coef, loss_type="grpo")
     kw["loss_agg_mode"] = "token-mean"
@@ -441,13 +446,14 @@ def test_tiles_narrower_and_wider_than_hidden_against_formula(dtype, entropy_coe
         assert torch.isfinite(a).all(), name
         if name != "loss":
             assert a.dtype == dtype, name
-        if dtype == torch.bfloat16 and scale > 1:
+        bf16_gemms = dtype == torch.bfloat16 and cpu_bf16_matmul == torch.bfloat16
+        if bf16_gemms and scale > 1:
             # bf16 logits in the hundreds are off by O(2^-8 |z|) ~ 1 in both paths, amplified by exp in the
             # ratio: which path lands nearer is chance; fused_logprobs' bf16 error-bound test covers them
             continue
         # bf16 tiles: each vocabulary block's partial d hidden leaves its matmul rounded to bf16 (then summed
         # in fp32), one rounding more than the unfused single matmul
-        rtol = 2.0**-7 if (dtype == torch.bfloat16 and name == "d_hidden") else 1e-5
+        rtol = 2.0**-7 if (bf16_gemms and name == "d_hidden") else 1e-5
         assert_as_accurate(a, u, r, atol=1e-6, rtol=rtol, what=f"{dtype} {name}")
         if dtype == torch.float32:
             assert_close(a, r, atol=1e-5, rtol=1e-4, what=name)
