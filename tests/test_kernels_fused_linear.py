@@ -9,7 +9,14 @@ import math
 import pytest
 import torch
 from conftest import tile_elem_bytes
-from test_kernels_helpers import LOW_DTYPES, assert_as_accurate, assert_close, needs_triton, triton_device
+from test_kernels_helpers import (
+    LOW_DTYPES,
+    LargestFp32Tensor,
+    assert_as_accurate,
+    assert_close,
+    needs_triton,
+    triton_device,
+)
 
 from bitrl.kernels import FusedLinearGRPOLoss, fused_linear_policy_loss, fused_linear_policy_loss_reference
 
@@ -154,6 +161,25 @@ def test_sequences_longer_than_a_tile_take_tiles(dtype, loss_type, monkeypatch):
         assert a.dtype == (torch.float32 if name == "loss" and dtype == torch.float32 else dtype), name
         assert_close(a.double(), b, what=name, **tol)
     assert_close(got[1][2].double(), torch.zeros_like(want[1][2]), atol=0, rtol=0, what="masked rows")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_weights_get_no_fp32_weight_sized_buffer(dtype, cpu_bf16_matmul, monkeypatch):
+    """bf16 / fp16 weights (multiplied in bf16 or fp32): the weight gradient is written block by block in
+    its own dtype, with no fp32 [V, H] tensor at any point of forward + backward, and matches fp64."""
+    B, T, H, V = 2, 16, 32, 1024
+    h, w, y, old, adv, mask, _, _ = _case(B=B, T=T, H=H, V=V, dtype=dtype, seed=7)
+    mask[1, 10:] = 0
+    monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", B * T * 128 * tile_elem_bytes(dtype, entropy=False))
+    spy = LargestFp32Tensor()
+    with spy:
+        got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch")
+    assert got[2].dtype == dtype and got[1].dtype == dtype
+    assert 0 < spy.largest <= V * H // 4, f"an fp32 tensor of {spy.largest} elements (V x H = {V * H})"
+    args64 = [x.double() if x.is_floating_point() else x for x in (h, w, y, old, adv, mask)]
+    want = _run(fused_linear_policy_loss_reference, *args64)
+    for name, a, b in zip(("loss", "d_hidden", "d_weight"), got[:3], want[:3]):
+        assert_close(a.double(), b, atol=1e-4, rtol=2.0**-6, what=f"{dtype} {name}")
 
 
 def test_on_policy_ignore_index_bias_and_no_grad():

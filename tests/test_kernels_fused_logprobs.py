@@ -8,10 +8,12 @@ import math
 
 import pytest
 import torch
+from conftest import tile_elem_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_kernels_helpers import (
     LOW_DTYPES,
+    LargestFp32Tensor,
     assert_as_accurate,
     assert_close,
     needs_triton,
@@ -218,6 +220,24 @@ def test_bf16_cpu_hostile_values(cpu_bf16_matmul):
     ref = _ref64(h[keep], w, y[keep], b, temperature=0.9)
     M = float((h[keep].double() @ w.double().T).abs().max()) / 0.9
     assert_close(lp[keep], ref[0], atol=4 * BF16_U * M, what="lp huge logits")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_weights_get_no_fp32_weight_sized_buffer(dtype, cpu_bf16_matmul, monkeypatch):
+    """bf16 / fp16 inputs (multiplied in bf16 or fp32): the backward writes dW block by block in the
+    weight's dtype, with no fp32 [V, H] tensor at any point, and stays as accurate as the unfused path."""
+    N, H, V = 40, 32, 1024
+    h, w, y, _ = _inputs(N, H, V, dtype)
+    y[3] = -100
+    monkeypatch.setitem(fl.TILE_BYTES["logprobs"], "cpu", N * 128 * tile_elem_bytes(dtype, entropy=True))
+    spy = LargestFp32Tensor()
+    with spy:
+        got = _run(fused_logprobs, h, w, y, impl="torch")
+    assert got[2].dtype == dtype and got[3].dtype == dtype
+    assert 0 < spy.largest <= V * H // 4, f"an fp32 tensor of {spy.largest} elements (V x H = {V * H})"
+    ref, unfused = _ref64(h, w, y), _run(fused_logprobs_reference, h, w, y)
+    for name, f, u, r in zip(NAMES, got, unfused, ref):
+        assert_as_accurate(f, u, r, atol=1e-5, rtol=1e-5, what=f"{dtype} {name}")
 
 
 def _property_case(N, H, V, scale, per_token, ignore_frac, neg_inf, seed):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bitrl.kernels._common import triton_unavailable_reason
 
@@ -42,3 +43,18 @@ def assert_close(x, ref, *, atol: float, rtol: float = 0.0, what: str = ""):
     scale = float(ref.detach().double().abs().max()) if ref.numel() else 0.0
     e = max_err(x, ref)
     assert e <= atol + rtol * scale, f"{what}: error {e:.3e} > {atol + rtol * scale:.3e}"
+
+
+class LargestFp32Tensor(TorchDispatchMode):
+    """Records the largest fp32 tensor any aten op returns (allocations included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.largest = max(self.largest, t.numel())
+        return out
