@@ -334,15 +334,25 @@ def trainer_rows(cap_gb, timeout, quick=False) -> list[dict]:
     return rows
 
 
+def dtype_label(r: dict) -> str:
+    """The row's dtype; bf16 rows are told apart by whether their CPU multiplies bf16 natively (without bf16
+    units every bf16 GEMM is emulated, and bitrl multiplies bf16 tiles in fp32 there)."""
+    if r.get("dtype") == "bf16" and not r.get("native_bf16"):
+        return "bf16, no bf16 units"
+    return r.get("dtype")
+
+
 def merge(rows: list[dict], path: Path = RESULTS):
     key = lambda r: json.dumps(
-        {k: r.get(k) for k in ("op", "variant", "N", "V", "dtype", "model")}, sort_keys=True
+        {**{k: r.get(k) for k in ("op", "variant", "N", "V", "model")}, "dtype": dtype_label(r)},
+        sort_keys=True,
     )
     old = json.loads(path.read_text())["rows"] if path.exists() else []
     merged = {key(r): r for r in old}
     # the machine of each row: bf16 rows in particular depend on whether the CPU multiplies bf16 natively
     here = machine()
-    merged.update({key(r): {**r, "cpu": here["cpu"], "native_bf16": here["native_bf16"]} for r in rows})
+    stamped = [{**r, "cpu": here["cpu"], "native_bf16": here["native_bf16"]} for r in rows]
+    merged.update({key(r): r for r in stamped})
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{os.cpu_count()}-core CPU, shared", "torch": torch.__version__}
     path.write_text(json.dumps({"meta": meta, "rows": list(merged.values())}, indent=1) + "\n")
@@ -353,7 +363,7 @@ def markdown_table(rows: list[dict]) -> str:
     groups: dict = {}
     for r in rows:
         if r.get("op") in OPS:
-            groups.setdefault((r["op"], r["N"], r["V"], r["dtype"]), {})[r["variant"]] = r
+            groups.setdefault((r["op"], r["N"], r["V"], dtype_label(r)), {})[r["variant"]] = r
 
     def cell(r):
         if r is None:

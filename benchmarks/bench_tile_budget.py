@@ -1,0 +1,107 @@
+"""The fp32 GRPO loss op on CPU: time and peak memory of its one-pass path against two-pass tiles of
+several byte budgets, at one shape. What a smaller working set costs in time.
+
+Configurations: ``one-pass`` (the default path: chunks of whole sequences, 3 GEMMs per chunk) and
+``tilesK`` (every sequence through [tokens x vocabulary] tiles of K MiB, ``TILE_BYTES["loss"]``; 4 GEMMs).
+Times: interleaved in one process, the minimum of ``--reps`` rounds after a warm-up round. Memory: the
+growth of the peak RSS of one forward + backward in a fresh process per configuration, after a warm-up call
+on tiny inputs (as in bench_integrations.py, whose inputs and loss this uses).
+
+    python benchmarks/bench_tile_budget.py --shape 4096x32768
+
+Results: benchmarks/results/bench_tile_budget.json (merged by shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_integrations as bi  # noqa: E402
+
+from bitrl.benchmarks.stats import machine  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_tile_budget.json"
+CONFIGS = {"one-pass": None, "tiles32": 32, "tiles16": 16, "tiles8": 8, "tiles4": 4}
+
+loss_mod = importlib.import_module("bitrl.kernels.fused_linear_policy_loss")
+logprobs_mod = importlib.import_module("bitrl.kernels.fused_logprobs")
+DEFAULT_PATH = loss_mod._torch_path
+DEFAULT_BUDGET = logprobs_mod.TILE_BYTES["loss"]["cpu"]
+
+
+def configure(name: str) -> None:
+    """Select a configuration: the default path and budget, or tiles for every sequence at K MiB."""
+    mib = CONFIGS[name]
+    if mib is None:
+        loss_mod._torch_path = DEFAULT_PATH
+        logprobs_mod.TILE_BYTES["loss"]["cpu"] = DEFAULT_BUDGET
+    else:
+        loss_mod._torch_path = lambda impl, hidden, B, T, V, chunk_size: (True, max(1, B))
+        logprobs_mod.TILE_BYTES["loss"]["cpu"] = mib * 2**20
+
+
+def peak_memory_child(N: int, V: int, name: str) -> float:
+    configure(name)
+    fn = bi.variant_fn("grpo_loss", "bitrl")
+    fn(bi.make_inputs(64, 512, torch.float32))
+    x = bi.make_inputs(N, V, torch.float32)
+    with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
+        f.write("5")
+    base = bi._status_kib("VmRSS")
+    fn(x)
+    return (bi._status_kib("VmHWM") - base) / 1024.0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="4096x32768", help="tokens x vocabulary (H = 1024, 16 sequences)")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--json", type=Path, default=RESULTS)
+    p.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._child:
+        N, V, name = int(args._child[0]), int(args._child[1]), args._child[2]
+        print(json.dumps(peak_memory_child(N, V, name)))
+        return 0
+    N, V = (int(v) for v in args.shape.split("x"))
+    memory = {}
+    for name in CONFIGS:
+        cmd = [sys.executable, __file__, "--_child", str(N), str(V), name]
+        memory[name] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    fn = bi.variant_fn("grpo_loss", "bitrl")
+    x = bi.make_inputs(N, V, torch.float32)
+    times = {name: [] for name in CONFIGS}
+    for rep in range(args.reps + 1):  # the first round is a warm-up
+        for name in CONFIGS:
+            configure(name)
+            x["h"].grad = x["w"].grad = None
+            t0 = time.perf_counter()
+            fn(x)
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    configure("one-pass")
+    one_pass = min(times["one-pass"])
+    rows = []
+    for name in CONFIGS:
+        t = min(times[name])
+        rows.append(dict(config=name, time_s=t, time_vs_one_pass=t / one_pass, peak_mib=memory[name]))
+        print(f"{name:>9}: {t:6.1f} s ({t / one_pass:.2f}x), {memory[name]:.0f} MiB")
+    floor = (V + N) * bi.H * 4 / 2**20  # the fp32 weight and hidden gradients themselves
+    print(f"floor (dW + dh): {floor:.0f} MiB")
+    results = json.loads(args.json.read_text()) if args.json.exists() else {}
+    results[args.shape] = dict(machine=machine(), reps=args.reps, floor_mib=floor, rows=rows)
+    args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
