@@ -278,8 +278,8 @@ def _torch_backend(
         dh = torch.zeros_like(hidden) if need_h else None
         dw = torch.zeros_like(weight) if need_w else None
         db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
-    cast = lambda g, like: None if g is None or like is None else g.to(like.dtype)
-    return cast(dh, hidden), cast(dw, weight), cast(db, bias), total.to(plan.mask.dtype), parts
+    db = None if db is None else db.to(bias.dtype)  # dh and dW come in the inputs' dtypes
+    return dh, dw, db, total.to(plan.mask.dtype), parts
 
 
 def _flatten_hidden(hidden, B, T):

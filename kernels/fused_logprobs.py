@@ -604,7 +604,7 @@ class TiledLinearSoftmax:
                     elif dw_blk is None:  # one token chunk: the matmul sums every token, one rounding
                         torch.mm(dzm.t(), h, out=dw[v0:v1])
                     else:  # fp32 products and sums, one rounding per block
-                        dw_blk[: v1 - v0].addmm_(dz.t(), h if h.dtype == acc else h.to(acc))
+                        dw_blk[: v1 - v0].addmm_(dz.t(), h.to(acc))
                 if dh_part is not None:
                     for r0 in range(k0, k1, DH_ROWS):
                         r1 = min(k1, r0 + DH_ROWS)
@@ -962,8 +962,8 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 need_b=need_b,
             )
             return (
-                None if dh is None else dh.to(hidden.dtype),
-                None if dw is None else dw.to(weight.dtype),
+                dh,
+                dw,
                 None if db is None else db.to(bias.dtype),
             ) + (None,) * 7
         eng = ChunkEngine(
