@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from ._common import FLOAT_DTYPES, check_tensor, compute_dtype, resolve_impl
+from .core_algos import get_policy_loss
 from .fused_logprobs import (
-    TILE_BYTES,
     ChunkEngine,
     TiledLinearSoftmax,
     acc_dtype,
@@ -43,6 +43,7 @@ from .policy_loss import (
     evaluate_rows,
     evaluate_triton,
     finalize_metrics,
+    flat_plan,
     make_config,
     merge_parts,
     policy_loss,
@@ -54,6 +55,12 @@ __all__ = ["fused_linear_policy_loss", "fused_linear_policy_loss_reference", "Fu
 # The largest chunk of one sequence's fp32 logits the one-pass torch path takes (beyond, tiles; see
 # _torch_path). Up to it the one pass is faster; beyond it its memory grows with the sequence length.
 ONE_PASS_SEQUENCE_BYTES = 128 * 2**20
+# The one pass's chunks on CPU: fp32 logits of at most ONE_PASS_CHUNK_BYTES (or of one sequence, up to
+# ONE_PASS_SEQUENCE_BYTES, for a sequence-level loss), and at least ONE_PASS_MIN_TOKENS tokens for a
+# token-level loss (fewer: tiles). N=4096 V=32768 H=1024 fp32 GRPO on a 2-core CPU: 128-token chunks
+# (16 MiB) peak at 164 MiB in 6.2 s, 256-token ones (32 MiB) at 179 MiB in 5.8 s; see _torch_path.
+ONE_PASS_CHUNK_BYTES = 16 * 2**20
+ONE_PASS_MIN_TOKENS = 128
 
 
 class FusedLinearPolicyLossFunction(torch.autograd.Function):
@@ -67,7 +74,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         inv_t,
         plan,
         ignore_index,
-        rows_per_chunk,
+        chunking,
         backend,
         need_ent,
         out,
@@ -87,8 +94,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         # logits and no matmul rows (their log-prob is never used)
         active = plan.mask.reshape(-1) > 0
         index = active.nonzero().squeeze(1)
-        starts = torch.arange(0, B + rows_per_chunk, rows_per_chunk, device=index.device).clamp(max=B) * T
-        bounds = torch.searchsorted(index, starts).tolist()
+        rows_per_chunk, tokens_per_chunk = chunking
         if tiled:
             dh, dw, db, total, parts_acc = _torch_backend(
                 hidden,
@@ -115,7 +121,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
             y,
             valid,
             inv_t,
-            chunk=max(1, min(rows_per_chunk * T, index.numel())),
+            chunk=max(1, min(tokens_per_chunk or rows_per_chunk * T, index.numel())),
             backend=backend,
             need_ent=need_ent,
             unit_temperature=unit_t,
@@ -126,22 +132,20 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_grad and need_b else None
         total = torch.zeros((), dtype=plan.mask.dtype, device=hidden.device)
         parts_acc = None
-        for j, r0 in enumerate(range(0, B, rows_per_chunk)):
-            r1 = min(B, r0 + rows_per_chunk)
-            s = r0 * T
-            k0, k1 = bounds[j], bounds[j + 1]
-            pos = index[k0:k1] - s  # active positions inside this block of rows
-            lp_rows = torch.zeros((r1 - r0) * T, dtype=acc, device=hidden.device)
+        chunks, ev_plan = _one_pass_chunks(plan, index, rows_per_chunk, tokens_per_chunk)
+        for k0, k1, s, region, shape in chunks:
+            pos = index[k0:k1] - s  # active positions inside the chunk's region of the [B*T] tokens
+            lp_rows = torch.zeros(shape[0] * shape[1], dtype=acc, device=hidden.device)
             ent_rows = torch.zeros_like(lp_rows) if need_ent else None
             if k1 > k0:
                 lp_c, ent_c, _, _ = eng.forward(k0, k1)
                 lp_rows[pos] = lp_c
                 if need_ent:
                     ent_rows[pos] = ent_c
-            lp_rows = lp_rows.view(r1 - r0, T)
-            ent_rows = None if ent_rows is None else ent_rows.view(r1 - r0, T)
+            lp_rows = lp_rows.view(shape)
+            ent_rows = None if ent_rows is None else ent_rows.view(shape)
             loss_c, parts, g_lp, g_ent = _evaluate(
-                lp_rows, ent_rows, plan, slice(r0, r1), use_triton_loss, need_grad, ent_grad
+                lp_rows, ent_rows, ev_plan, region, use_triton_loss, need_grad, ent_grad
             )
             total = total + loss_c
             parts_acc = merge_parts(parts_acc, parts)
@@ -178,18 +182,23 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
 
 
 def _torch_path(
-    impl: str, hidden: torch.Tensor, B: int, T: int, V: int, chunk_size: int | None
-) -> tuple[bool, int]:
-    """(tiled, sequences per chunk): which path the loss takes; both produce the gradient inside the forward.
+    impl: str, hidden: torch.Tensor, B: int, T: int, V: int, chunk_size: int | None, token_level: bool = False
+) -> tuple[bool, tuple[int, int | None]]:
+    """(tiled, (sequences per chunk, tokens per chunk | None)): which path the loss takes; both produce the
+    gradient inside the forward.
 
     No per-token loss coefficient needs a statistics pass over the logits: everything batch-wide (rollout
-    corrections such as AIS's lambda, keep-masks, normalisers) comes from ``build_plan`` before any logits,
-    and chunks hold whole sequences, so a chunk's loss gradient is known as soon as its log-probs are.
+    corrections such as AIS's lambda, keep-masks, normalisers) comes from ``build_plan`` before any logits.
+    A chunk's loss gradient is therefore known as soon as its log-probs are, when the chunk holds whole
+    sequences, or any run of tokens for a token-level loss (``token_level``: GRPO/PPO, CISPO, SAPO; not
+    GSPO, GMPO or VESPO, whose terms depend on the whole sequence).
 
-    * ONE pass, 3 matmuls per chunk of whole sequences (``ChunkEngine``): logits, then d hidden, and d W
-      accumulated in place in the fp32 gradient itself. For fp32 (fp64) weights: chunks of as many sequences
-      as fit in ``TILE_BYTES["loss"]``, or of one while its logits fit in ``ONE_PASS_SEQUENCE_BYTES`` (or of
-      ``chunk_size`` sequences); on CUDA always.
+    * ONE pass, 3 matmuls per chunk (``ChunkEngine``): logits, then d hidden, and d W accumulated in place in
+      the fp32 gradient itself. For fp32 (fp64) weights on the torch backend: a token-level loss takes
+      chunks of as many active tokens as fit in ``ONE_PASS_CHUNK_BYTES``, across sequence boundaries, as
+      long as that is at least ``ONE_PASS_MIN_TOKENS``; other losses take chunks of as many sequences as
+      fit, or of one while its logits fit in ``ONE_PASS_SEQUENCE_BYTES``. ``chunk_size`` sequences when
+      given; on CUDA always.
     * TWO passes over [tokens x vocabulary] tiles (``TiledLinearSoftmax``: statistics, then the loss
       gradient for the whole batch, then d hidden / d W tile by tile; 4 matmuls) on the torch backend:
       - for bf16 and fp16 weights, so that dW is written block by block in its own dtype (each block one
@@ -198,20 +207,55 @@ def _torch_path(
         [V, H] buffer beside the bf16 gradient (128 MiB at V=32768, H=1024, where the two passes peak at
         141 MiB in all at N=4096), and CPU bf16 matmuls only write bf16, so each chunk's partial dW would be
         rounded before its fp32 sum;
-      - for fp32 when one sequence's logits exceed ``ONE_PASS_SEQUENCE_BYTES`` (V = 151936: 148 MiB at
-        T = 256, 1.2 GiB at T = 2048): the tiles then split the vocabulary. Measured on CPU, N=2048
-        V=151936 T=128 (74 MiB per sequence): 37.9 s tiled against 36.0 s in one pass; N=8192 V=32768
-        T=512 (64 MiB): 31 s against 24.4 s, hence one pass up to 128 MiB."""
+      - for fp32 when fewer than ``ONE_PASS_MIN_TOKENS`` tokens' logits fit in the budget (token-level
+        losses: V > 32768) or one sequence's logits exceed ``ONE_PASS_SEQUENCE_BYTES`` (other
+        losses; V = 151936: 148 MiB at T = 256, 1.2 GiB at T = 2048): the tiles then split the vocabulary.
+        Fewer tokens per chunk make the weight-gradient matmul (its inner dimension) slower than a 4th
+        matmul: on CPU, N=4096 V=32768, 128-token chunks cost 10% more than 256-token ones, 64-token 30%."""
     low = hidden.dtype != acc_dtype(hidden)
     if chunk_size is not None:
-        return impl == "torch" and low, int(chunk_size)
+        return impl == "torch" and low, (int(chunk_size), None)
     if impl != "torch":
-        return False, max(1, default_chunk_size(V, hidden.device) // max(T, 1))
-    budgets = TILE_BYTES["loss"]
-    rows = default_chunk_size(V, hidden.device, budgets.get(hidden.device.type, budgets["cpu"])) // max(T, 1)
-    if low or (rows == 0 and T * V * 4 > ONE_PASS_SEQUENCE_BYTES):
-        return True, max(1, B)  # tiles are sized by TILE_BYTES["loss"] and hold every sequence when they can
-    return False, max(1, rows)
+        return False, (max(1, default_chunk_size(V, hidden.device) // max(T, 1)), None)
+    tiles = True, (max(1, B), None)  # sized by TILE_BYTES["loss"]; they hold every sequence when they can
+    if low:
+        return tiles
+    if token_level:
+        tokens = ONE_PASS_CHUNK_BYTES // (acc_dtype(hidden).itemsize * V)
+        return tiles if tokens < ONE_PASS_MIN_TOKENS else (False, (max(1, B), tokens))
+    rows = default_chunk_size(V, hidden.device, ONE_PASS_CHUNK_BYTES) // max(T, 1)
+    if rows == 0 and T * V * 4 > ONE_PASS_SEQUENCE_BYTES:
+        return tiles
+    return False, (max(1, rows), None)
+
+
+def _one_pass_chunks(plan, index, rows_per_chunk, tokens_per_chunk):
+    """The one pass's chunks, as (k0, k1, s, region, shape): the active tokens index[k0:k1] lie in
+    ``region`` (an index of the evaluated plan's tensors, of ``shape``, whose first token is flat token s).
+    Returns (chunks, the plan to evaluate them on).
+
+    ``tokens_per_chunk`` None: blocks of ``rows_per_chunk`` whole sequences of the [B, T] plan. Else runs
+    of that many active tokens, across sequence boundaries, on the plan viewed as one [1, B*T] row: only
+    for token-level losses, whose per-token terms do not depend on the rest of their sequence."""
+    B, T = plan.mask.shape
+    n = index.numel()
+    if tokens_per_chunk is None or n == 0:
+        starts = torch.arange(0, B + rows_per_chunk, rows_per_chunk, device=index.device).clamp(max=B) * T
+        bounds = torch.searchsorted(index, starts).tolist()
+        chunks = []
+        for j, r0 in enumerate(range(0, B, rows_per_chunk)):
+            r1 = min(B, r0 + rows_per_chunk)
+            chunks.append((bounds[j], bounds[j + 1], r0 * T, slice(r0, r1), (r1 - r0, T)))
+        return chunks, plan
+    k0s = list(range(0, n, tokens_per_chunk))
+    k1s = [min(n, k0 + tokens_per_chunk) for k0 in k0s]
+    firsts = index[k0s].tolist()
+    lasts = index[[k1 - 1 for k1 in k1s]].tolist()
+    chunks = [
+        (k0, k1, a, (slice(None), slice(a, b + 1)), (1, b + 1 - a))
+        for k0, k1, a, b in zip(k0s, k1s, firsts, lasts)
+    ]
+    return chunks, flat_plan(plan)
 
 
 def _evaluate(lp_rows, ent_rows, plan, rows, use_triton_loss, need_grad, ent_grad):
@@ -339,9 +383,9 @@ def fused_linear_policy_loss(
 
     All loss options are those of ``policy_loss``. ``compute_entropy`` adds the entropy metric (it is
     computed anyway when ``entropy_coef != 0``). ``chunk_size`` is the number of *sequences* per chunk
-    (default: about 1 GiB of fp32 logits per chunk on CUDA, ``TILE_BYTES["loss"]`` (32 MiB) on the torch
-    backend, whose bf16 tiles hold every sequence when they can). Returns ``(loss, metrics)``
-    like ``policy_loss``.
+    (default: about 1 GiB of fp32 logits per chunk on CUDA; on the torch backend, see ``_torch_path``:
+    16 MiB chunks of tokens or sequences for fp32, 32 MiB tiles holding every sequence when they can for
+    bf16). Returns ``(loss, metrics)`` like ``policy_loss``.
     """
     check_tensor("targets", targets, ndim=2, dtypes=(torch.int64, torch.int32))
     B, T = targets.shape
@@ -430,7 +474,8 @@ def fused_linear_policy_loss(
         raise ValueError("old_logprobs: required for a rollout correction in fused_linear_policy_loss")
     if chunk_size is not None and int(chunk_size) <= 0:
         raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
-    tiled, rows = _torch_path(impl, h2, B, T, weight.shape[0], chunk_size)
+    token_level = getattr(get_policy_loss(loss_type), "token_level", False)
+    tiled, chunking = _torch_path(impl, h2, B, T, weight.shape[0], chunk_size, token_level)
     need_ent = bool(compute_entropy or entropy_coef)
     out: dict = {}
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))
@@ -443,7 +488,7 @@ def fused_linear_policy_loss(
         inv_t,
         plan,
         int(ignore_index),
-        rows,
+        chunking,
         impl,
         need_ent,
         out,

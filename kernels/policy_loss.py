@@ -20,6 +20,7 @@ Implementations (``impl=``, or ``BITRL_KERNEL_IMPL``):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -259,6 +260,18 @@ _SUM_KEYS = (
     "kl_sum",
     "ent_sum",
 )
+
+
+def flat_plan(plan: Plan) -> Plan:
+    """The plan with each [B, T] tensor viewed as one [1, B*T] row, so that a token-level loss can be
+    evaluated on runs of tokens that cross sequence boundaries (``evaluate_rows(..., rows=(slice(None),
+    slice(s, e)))``); everything batch-wide in it was computed from the whole batch already."""
+
+    def row(t):
+        return None if t is None else t.reshape(1, -1)
+
+    fields = ("old", "adv", "mask", "weight", "corr", "ref")
+    return dataclasses.replace(plan, **{f: row(getattr(plan, f)) for f in fields})
 
 
 def evaluate_rows(lp: torch.Tensor, ent: torch.Tensor | None, plan: Plan, rows: slice | None = None):

@@ -137,6 +137,35 @@ def test_chunking_is_exact_for_every_loss(loss_type, monkeypatch):
                 assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "cispo", "sapo", "gspo", "gmpo", "vespo"])
+def test_token_chunks_cross_sequences_exactly(loss_type, monkeypatch):
+    """The one pass of a token-level loss takes runs of active tokens that cross sequence boundaries
+    (chunks of 1, 4 and 7 tokens, over a masked hole and an all-masked sequence) and gives the unfused loss,
+    gradients and every metric, with KL, entropy bonus and a sequence-level correction; sequence-level
+    losses keep whole sequences whatever the token budget. The logits are formed in vocabulary blocks."""
+    flpl = importlib.import_module("bitrl.kernels.fused_linear_policy_loss")
+    B, T, V = 4, 6, 41
+    h, w, y, old, adv, mask, ref, roll = _case(B=B, T=T, V=V, dtype=D, seed=11)
+    mask[1, 2:4] = 0
+    kw = dict(
+        KW, loss_type=loss_type, ref_logprobs=ref, rollout_logprobs=roll, correction=["tis-seq", "icepop"]
+    )
+    want = _run(fused_linear_policy_loss_reference, h, w, y, old, adv, mask, **kw)
+    token_level = getattr(flpl.get_policy_loss(loss_type), "token_level", False)
+    monkeypatch.setattr(flpl, "ONE_PASS_MIN_TOKENS", 1)
+    monkeypatch.setattr(fl, "LOGITS_BLOCK", 16)  # each chunk's logits in blocks of 16, 16 and 9 columns
+    for tokens in (1, 4, 7):
+        monkeypatch.setattr(flpl, "ONE_PASS_CHUNK_BYTES", tokens * V * 8)
+        tiled, (rows, per_chunk) = flpl._torch_path("torch", h.reshape(B * T, -1), B, T, V, None, token_level)
+        assert not tiled and per_chunk == (tokens if token_level else None)
+        got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", **kw)
+        for name, a, b in zip(("loss", "d_hidden", "d_weight"), got[:3], want[:3]):
+            assert_close(a, b, atol=1e-10, rtol=1e-10, what=f"{tokens} tokens: {name}")
+        assert got[3].keys() == want[3].keys()
+        for k in want[3]:
+            assert_close(got[3][k], want[3][k], atol=1e-10, rtol=1e-10, what=f"{tokens} tokens: {k}")
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "gspo"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_sequences_longer_than_a_tile_take_tiles(dtype, loss_type, monkeypatch):
@@ -148,9 +177,12 @@ def test_sequences_longer_than_a_tile_take_tiles(dtype, loss_type, monkeypatch):
     mask[1, 5:9] = 0  # a hole inside a sequence: the active rows are not one run
     monkeypatch.setattr(fl, "TILE_MIN_VOCAB", 16)
     monkeypatch.setattr(flpl, "ONE_PASS_SEQUENCE_BYTES", 1024)
-    # the logits of one sequence (24 x 41 fp32) exceed the budget; tiles of 7 tokens x 16 columns
+    monkeypatch.setattr(flpl, "ONE_PASS_CHUNK_BYTES", 1024)
+    # the logits of one sequence (24 x 41 fp32) exceed the budget, and fewer than ONE_PASS_MIN_TOKENS tokens'
+    # fit in the one pass's chunk; tiles of 7 tokens x 16 columns
     monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", 7 * 16 * torch.finfo(dtype).bits // 8)
-    assert flpl._torch_path("torch", h.reshape(B * T, -1), B, T, V, None) == (True, B)
+    token_level = loss_type == "grpo"
+    assert flpl._torch_path("torch", h.reshape(B * T, -1), B, T, V, None, token_level) == (True, (B, None))
     kw = dict(KW, loss_type=loss_type, ref_logprobs=ref, rollout_logprobs=roll, loss_agg_mode="token-mean")
     args64 = [x.double() if x.is_floating_point() else x for x in (h, w, y, old, adv, mask)]
     kw64 = dict(kw, ref_logprobs=ref.double(), rollout_logprobs=roll.double())
