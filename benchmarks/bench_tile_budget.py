@@ -1,7 +1,7 @@
 """The fp32 GRPO loss op on CPU: time and peak memory of its one-pass path against two-pass tiles of
 several byte budgets, at one shape. What a smaller working set costs in time.
 
-Configurations: ``one-pass`` (the default path: chunks of whole sequences, 3 GEMMs per chunk) and
+Configurations: ``one-pass`` (the default path: 16 MiB chunks of active tokens, 3 GEMMs per chunk) and
 ``tilesK`` (every sequence through [tokens x vocabulary] tiles of K MiB, ``TILE_BYTES["loss"]``; 4 GEMMs).
 Times: interleaved in one process, the minimum of ``--reps`` rounds after a warm-up round. Memory: the
 growth of the peak RSS of one forward + backward in a fresh process per configuration, after a warm-up call
@@ -45,7 +45,10 @@ def configure(name: str) -> None:
         loss_mod._torch_path = DEFAULT_PATH
         logprobs_mod.TILE_BYTES["loss"]["cpu"] = DEFAULT_BUDGET
     else:
-        loss_mod._torch_path = lambda impl, hidden, B, T, V, chunk_size: (True, max(1, B))
+        loss_mod._torch_path = lambda impl, hidden, B, T, V, chunk_size, token_level=False: (
+            True,
+            (max(1, B), None),
+        )
         logprobs_mod.TILE_BYTES["loss"]["cpu"] = mib * 2**20
 
 
