@@ -4,7 +4,8 @@
 returns ``(loss, metrics)`` exactly like ``policy_loss`` applied to ``fused_logprobs`` but
 
 * never builds the [B*T, V] logits: the batch is processed in chunks of whole sequences (so sequence-level
-  losses such as GSPO/GMPO stay exact), each chunk's logits are formed once, reduced to log-prob/entropy,
+  losses such as GSPO/GMPO stay exact; token-level losses take runs of tokens across sequences on the torch
+  backend), each chunk's logits are formed once, reduced to log-prob/entropy,
   the loss gradient w.r.t. the log-prob is taken right there, and d hidden / d weight are accumulated
   (fp32) in the same pass - 3 matmuls per chunk instead of 4 for forward + recomputing backward;
 * the batch-wide parts (rollout corrections, masks, normalisers) come from ``policy_loss.build_plan``, so
@@ -13,7 +14,7 @@ returns ``(loss, metrics)`` exactly like ``policy_loss`` applied to ``fused_logp
 On the torch backend (CPU), bf16 and fp16 weights take two passes over [tokens x vocabulary] tiles instead
 (``TiledLinearSoftmax``: log-probs first, then the loss gradient for the whole batch, then d hidden / d weight
 tile by tile, 4 matmuls) so that the low-precision weight gradient is written block by block without an fp32
-[V, H] accumulator beside it, and so do fp32 weights when one sequence's logits exceed the tile budget; see
+[V, H] accumulator beside it, and so do fp32 weights when a chunk cannot hold enough tokens' logits; see
 ``_torch_path``.
 
 ``FusedLinearGRPOLoss`` is an ``nn.Module`` whose constructor and forward accept the arguments of

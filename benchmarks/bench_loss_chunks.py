@@ -1,15 +1,16 @@
-"""The fp32 GRPO loss op on CPU: time and peak memory of its one-pass path against two-pass tiles of
-several byte budgets, at one shape. What a smaller working set costs in time.
+"""The fp32 GRPO loss op on CPU: time and peak memory of its one pass at several chunk sizes, and of its
+two-pass tiles, at one shape. What a smaller working set costs in time.
 
-Configurations: ``one-pass`` (the default path: 16 MiB chunks of active tokens, 3 GEMMs per chunk) and
-``tilesK`` (every sequence through [tokens x vocabulary] tiles of K MiB, ``TILE_BYTES["loss"]``; 4 GEMMs).
-Times: interleaved in one process, the minimum of ``--reps`` rounds after a warm-up round. Memory: the
-growth of the peak RSS of one forward + backward in a fresh process per configuration, after a warm-up call
-on tiny inputs (as in bench_integrations.py, whose inputs and loss this uses).
+Configurations: ``one-passK`` (chunks of K MiB of fp32 logits, as many active tokens as fit, across
+sequences; 3 GEMMs per chunk; ``one-pass16`` is the default at V <= 32768) and ``tiles`` (every token
+through the two-pass [256 x 1024] tiles, tokens outside; 4 GEMMs; the default beyond). Times: interleaved
+in one process, the minimum of ``--reps`` rounds after a warm-up round. Memory: the growth of the peak RSS of
+one forward + backward in a fresh process per configuration, after a warm-up call on tiny inputs (as in
+bench_integrations.py, whose inputs and loss this uses).
 
-    python benchmarks/bench_tile_budget.py --shape 4096x32768
+    python benchmarks/bench_loss_chunks.py --shape 4096x32768
 
-Results: benchmarks/results/bench_tile_budget.json (merged by shape).
+Results: benchmarks/results/bench_loss_chunks.json (merged by shape).
 """
 
 from __future__ import annotations
@@ -29,27 +30,26 @@ import bench_integrations as bi  # noqa: E402
 
 from bitrl.benchmarks.stats import machine  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_tile_budget.json"
-CONFIGS = {"one-pass": None, "tiles32": 32, "tiles16": 16, "tiles8": 8, "tiles4": 4}
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_loss_chunks.json"
+CONFIGS = {"one-pass32": 32, "one-pass16": 16, "one-pass8": 8, "tiles": None}
 
 loss_mod = importlib.import_module("bitrl.kernels.fused_linear_policy_loss")
-logprobs_mod = importlib.import_module("bitrl.kernels.fused_logprobs")
 DEFAULT_PATH = loss_mod._torch_path
-DEFAULT_BUDGET = logprobs_mod.TILE_BYTES["loss"]["cpu"]
+DEFAULTS = loss_mod.ONE_PASS_CHUNK_BYTES, loss_mod.ONE_PASS_MIN_TOKENS
 
 
 def configure(name: str) -> None:
-    """Select a configuration: the default path and budget, or tiles for every sequence at K MiB."""
+    """Select a configuration: one pass with chunks of K MiB, or tiles for every token."""
     mib = CONFIGS[name]
+    loss_mod.ONE_PASS_CHUNK_BYTES, loss_mod.ONE_PASS_MIN_TOKENS = DEFAULTS
+    loss_mod._torch_path = DEFAULT_PATH
     if mib is None:
-        loss_mod._torch_path = DEFAULT_PATH
-        logprobs_mod.TILE_BYTES["loss"]["cpu"] = DEFAULT_BUDGET
-    else:
         loss_mod._torch_path = lambda impl, hidden, B, T, V, chunk_size, token_level=False: (
             True,
             (max(1, B), None),
         )
-        logprobs_mod.TILE_BYTES["loss"]["cpu"] = mib * 2**20
+    else:
+        loss_mod.ONE_PASS_CHUNK_BYTES, loss_mod.ONE_PASS_MIN_TOKENS = mib * 2**20, 1
 
 
 def peak_memory_child(N: int, V: int, name: str) -> float:
@@ -91,13 +91,13 @@ def main(argv=None) -> int:
             fn(x)
             if rep:
                 times[name].append(time.perf_counter() - t0)
-    configure("one-pass")
-    one_pass = min(times["one-pass"])
+    configure("one-pass16")
+    one_pass = min(times["one-pass16"])
     rows = []
     for name in CONFIGS:
         t = min(times[name])
-        rows.append(dict(config=name, time_s=t, time_vs_one_pass=t / one_pass, peak_mib=memory[name]))
-        print(f"{name:>9}: {t:6.1f} s ({t / one_pass:.2f}x), {memory[name]:.0f} MiB")
+        rows.append(dict(config=name, time_s=t, time_vs_default=t / one_pass, peak_mib=memory[name]))
+        print(f"{name:>10}: {t:6.1f} s ({t / one_pass:.2f}x), {memory[name]:.0f} MiB")
     floor = (V + N) * bi.H * 4 / 2**20  # the fp32 weight and hidden gradients themselves
     print(f"floor (dW + dh): {floor:.0f} MiB")
     results = json.loads(args.json.read_text()) if args.json.exists() else {}
