@@ -11,6 +11,7 @@ import torch
 from conftest import tile_elem_bytes
 from test_kernels_helpers import (
     LOW_DTYPES,
+    LargeFp32Storages,
     LargestFp32Tensor,
     assert_as_accurate,
     assert_close,
@@ -212,6 +213,33 @@ def test_low_precision_weights_get_no_fp32_weight_sized_buffer(dtype, cpu_bf16_m
     want = _run(fused_linear_policy_loss_reference, *args64)
     for name, a, b in zip(("loss", "d_hidden", "d_weight"), got[:3], want[:3]):
         assert_close(a.double(), b, atol=1e-4, rtol=2.0**-6, what=f"{dtype} {name}")
+
+
+@pytest.mark.parametrize("path", ["one-pass", "tiles"])
+def test_fp32_working_set_is_one_chunk_beside_the_gradients(path, monkeypatch):
+    """fp32 GRPO with padding, on either path (one pass: chunks of 16 active tokens across sequences; tiles:
+    16 tokens x 64 columns, tokens outside): nothing beside the inputs and their two gradients is larger
+    than one chunk of logits, in particular no [active tokens, H] buffer of gathered rows or of their
+    gradient, and the result is the unfused one."""
+    flpl = importlib.import_module("bitrl.kernels.fused_linear_policy_loss")
+    B, T, H, V = 4, 64, 256, 512
+    h, w, y, old, adv, mask, _, _ = _case(B=B, T=T, H=H, V=V, dtype=torch.float32, seed=3)
+    mask[1, 40:] = 0  # n = 153 active tokens: [n, H] is 4.8x a chunk
+    chunk_bytes = 16 * V * 4
+    monkeypatch.setattr(flpl, "ONE_PASS_MIN_TOKENS", 1)
+    monkeypatch.setattr(flpl, "ONE_PASS_CHUNK_BYTES", chunk_bytes if path == "one-pass" else 1024)
+    monkeypatch.setattr(fl, "TOKEN_TILE_ROWS", 16)
+    monkeypatch.setattr(fl, "LOGITS_BLOCK", 64)
+    spy = LargeFp32Storages(limit=chunk_bytes)
+    with spy:
+        got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch")
+    # h and w (seen through the detach in _run), the clones _run makes, and their two gradients
+    assert sorted(spy.sizes.values()) == [B * T * H * 4] * 3 + [V * H * 4] * 3, spy.sizes
+    want = _run(
+        fused_linear_policy_loss_reference, h.double(), w.double(), y, old.double(), adv.double(), mask
+    )
+    for name, a, b in zip(("loss", "d_hidden", "d_weight"), got[:3], want[:3]):
+        assert_close(a.double(), b, atol=1e-6, rtol=1e-5, what=f"{path} {name}")
 
 
 def test_on_policy_ignore_index_bias_and_no_grad():

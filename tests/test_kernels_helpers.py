@@ -45,6 +45,24 @@ def assert_close(x, ref, *, atol: float, rtol: float = 0.0, what: str = ""):
     assert e <= atol + rtol * scale, f"{what}: error {e:.3e} > {atol + rtol * scale:.3e}"
 
 
+class LargeFp32Storages(TorchDispatchMode):
+    """Records the distinct storages of more than ``limit`` bytes behind the fp32 tensors any aten op
+    returns (allocations, views and in-place results alike)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit, self.sizes = limit, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                st = t.untyped_storage()
+                if st.nbytes() > self.limit:
+                    self.sizes[st.data_ptr()] = st.nbytes()
+        return out
+
+
 class LargestFp32Tensor(TorchDispatchMode):
     """Records the largest fp32 tensor any aten op returns (allocations included)."""
 
