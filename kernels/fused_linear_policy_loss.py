@@ -31,6 +31,7 @@ import torch
 from ._common import FLOAT_DTYPES, check_tensor, compute_dtype, resolve_impl
 from .core_algos import get_policy_loss
 from .fused_logprobs import (
+    TILE_BYTES,
     ChunkEngine,
     TiledLinearSoftmax,
     acc_dtype,
@@ -56,10 +57,11 @@ __all__ = ["fused_linear_policy_loss", "fused_linear_policy_loss_reference", "Fu
 # The largest chunk of one sequence's fp32 logits the one-pass torch path takes (beyond, tiles; see
 # _torch_path). Up to it the one pass is faster; beyond it its memory grows with the sequence length.
 ONE_PASS_SEQUENCE_BYTES = 128 * 2**20
-# The one pass's chunks on CPU: fp32 logits of at most ONE_PASS_CHUNK_BYTES (or of one sequence, up to
-# ONE_PASS_SEQUENCE_BYTES, for a sequence-level loss), and at least ONE_PASS_MIN_TOKENS tokens for a
-# token-level loss (fewer: tiles). N=4096 V=32768 H=1024 fp32 GRPO on a 2-core CPU: 128-token chunks
-# (16 MiB) peak at 164 MiB in 6.2 s, 256-token ones (32 MiB) at 179 MiB in 5.8 s; see _torch_path.
+# The one pass's chunks on CPU: fp32 logits of ONE_PASS_CHUNK_BYTES (or of one sequence, up to
+# ONE_PASS_SEQUENCE_BYTES, for a sequence-level loss); for a token-level loss at least ONE_PASS_MIN_TOKENS
+# tokens, as long as they fit in the loss op's TILE_BYTES budget (beyond: tiles). N=4096 V=32768 H=1024
+# fp32 GRPO on a 2-core CPU: 128-token chunks (16 MiB) peak at 164 MiB in 6.2 s, 256-token ones (32 MiB)
+# at 179 MiB in 5.8 s; see _torch_path.
 ONE_PASS_CHUNK_BYTES = 16 * 2**20
 ONE_PASS_MIN_TOKENS = 128
 
@@ -196,9 +198,10 @@ def _torch_path(
 
     * ONE pass, 3 matmuls per chunk (``ChunkEngine``): logits, then d hidden, and d W accumulated in place in
       the fp32 gradient itself. For fp32 (fp64) weights on the torch backend: a token-level loss takes
-      chunks of as many active tokens as fit in ``ONE_PASS_CHUNK_BYTES``, across sequence boundaries, as
-      long as that is at least ``ONE_PASS_MIN_TOKENS``; other losses take chunks of as many sequences as
-      fit, or of one while its logits fit in ``ONE_PASS_SEQUENCE_BYTES``. ``chunk_size`` sequences when
+      chunks of as many active tokens as fit in ``ONE_PASS_CHUNK_BYTES``, at least ``ONE_PASS_MIN_TOKENS``,
+      across sequence boundaries, as long as a chunk fits in ``TILE_BYTES["loss"]`` (V <= 65536 in fp32);
+      other losses take chunks of as many sequences as fit, or of one while its logits fit in
+      ``ONE_PASS_SEQUENCE_BYTES``. ``chunk_size`` sequences when
       given; on CUDA always.
     * TWO passes over [tokens x vocabulary] tiles (``TiledLinearSoftmax``: statistics, then the loss
       gradient for the whole batch, then d hidden / d W tile by tile; 4 matmuls) on the torch backend:
@@ -208,8 +211,8 @@ def _torch_path(
         [V, H] buffer beside the bf16 gradient (128 MiB at V=32768, H=1024, where the two passes peak at
         141 MiB in all at N=4096), and CPU bf16 matmuls only write bf16, so each chunk's partial dW would be
         rounded before its fp32 sum;
-      - for fp32 when fewer than ``ONE_PASS_MIN_TOKENS`` tokens' logits fit in the budget (token-level
-        losses: V > 32768) or one sequence's logits exceed ``ONE_PASS_SEQUENCE_BYTES`` (other
+      - for fp32 when ``ONE_PASS_MIN_TOKENS`` tokens' logits exceed the loss op's tile budget (token-level
+        losses: V > 65536) or one sequence's logits exceed ``ONE_PASS_SEQUENCE_BYTES`` (other
         losses; V = 151936: 148 MiB at T = 256, 1.2 GiB at T = 2048): the tiles then split the vocabulary.
         Fewer tokens per chunk make the weight-gradient matmul (its inner dimension) slower than a 4th
         matmul: on CPU, N=4096 V=32768, 128-token chunks cost 10% more than 256-token ones, 64-token 30%."""
@@ -222,8 +225,11 @@ def _torch_path(
     if low:
         return tiles
     if token_level:
-        tokens = ONE_PASS_CHUNK_BYTES // (acc_dtype(hidden).itemsize * V)
-        return tiles if tokens < ONE_PASS_MIN_TOKENS else (False, (max(1, B), tokens))
+        row_bytes = acc_dtype(hidden).itemsize * V
+        tokens = max(ONE_PASS_MIN_TOKENS, ONE_PASS_CHUNK_BYTES // row_bytes)
+        budgets = TILE_BYTES["loss"]
+        fits = tokens * row_bytes <= budgets.get(hidden.device.type, budgets["cpu"])
+        return (False, (max(1, B), tokens)) if fits else tiles
     rows = default_chunk_size(V, hidden.device, ONE_PASS_CHUNK_BYTES) // max(T, 1)
     if rows == 0 and T * V * 4 > ONE_PASS_SEQUENCE_BYTES:
         return tiles

@@ -179,8 +179,8 @@ def test_sequences_longer_than_a_tile_take_tiles(dtype, loss_type, monkeypatch):
     monkeypatch.setattr(fl, "TILE_MIN_VOCAB", 16)
     monkeypatch.setattr(flpl, "ONE_PASS_SEQUENCE_BYTES", 1024)
     monkeypatch.setattr(flpl, "ONE_PASS_CHUNK_BYTES", 1024)
-    # the logits of one sequence (24 x 41 fp32) exceed the budget, and fewer than ONE_PASS_MIN_TOKENS tokens'
-    # fit in the one pass's chunk; tiles of 7 tokens x 16 columns
+    # the logits of one sequence (24 x 41 fp32), and of ONE_PASS_MIN_TOKENS tokens, exceed the budgets;
+    # tiles of 7 tokens x 16 columns
     monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", 7 * 16 * torch.finfo(dtype).bits // 8)
     token_level = loss_type == "grpo"
     assert flpl._torch_path("torch", h.reshape(B * T, -1), B, T, V, None, token_level) == (True, (B, None))
@@ -226,8 +226,10 @@ def test_fp32_working_set_is_one_chunk_beside_the_gradients(path, monkeypatch):
     h, w, y, old, adv, mask, _, _ = _case(B=B, T=T, H=H, V=V, dtype=torch.float32, seed=3)
     mask[1, 40:] = 0  # n = 153 active tokens: [n, H] is 4.8x a chunk
     chunk_bytes = 16 * V * 4
-    monkeypatch.setattr(flpl, "ONE_PASS_MIN_TOKENS", 1)
-    monkeypatch.setattr(flpl, "ONE_PASS_CHUNK_BYTES", chunk_bytes if path == "one-pass" else 1024)
+    # tiles: a chunk of the fewest tokens would exceed the loss op's tile budget
+    monkeypatch.setattr(flpl, "ONE_PASS_MIN_TOKENS", 1 if path == "one-pass" else B * T)
+    monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", chunk_bytes)
+    monkeypatch.setattr(flpl, "ONE_PASS_CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(fl, "TOKEN_TILE_ROWS", 16)
     monkeypatch.setattr(fl, "LOGITS_BLOCK", 64)
     spy = LargeFp32Storages(limit=chunk_bytes)
