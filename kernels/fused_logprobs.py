@@ -220,16 +220,13 @@ class ChunkEngine:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         z = self.zbuf[: h.shape[0]]
-        if self.mm == self.acc and z.device.type == "cpu":
-            # in vocabulary blocks: a [c, H] x [H, V] product with V in the tens of thousands packs ~10 MiB of
-            # the weight and ran ~1.5x slower on CPU than the same product in blocks of LOGITS_BLOCK columns
-            h = h.to(self.mm)
-            V = z.shape[1]
-            for v0 in range(0, V, LOGITS_BLOCK):
-                v1 = min(V, v0 + LOGITS_BLOCK)
-                torch.mm(h, self.w_mm[v0:v1].t(), out=z[:, v0:v1])
-        elif self.mm == self.acc:
-            torch.mm(h.to(self.mm), self.w_mm.t(), out=z)
+        if self.mm == self.acc:
+            # on CPU in vocabulary blocks: a [c, H] x [H, V] product with V in the tens of thousands packs
+            # ~10 MiB of the weight and ran ~1.5x slower than the same product in LOGITS_BLOCK-column blocks
+            h, V = h.to(self.mm), z.shape[1]
+            step = LOGITS_BLOCK if z.device.type == "cpu" else max(V, 1)
+            for v0 in range(0, V, step):
+                torch.mm(h, self.w_mm[v0 : v0 + step].t(), out=z[:, v0 : v0 + step])
         else:
             z.copy_(mm_acc(h.to(self.mm), self.w_mm.t(), self.acc))
         if self.bias_acc is not None:
@@ -462,14 +459,14 @@ class TiledLinearSoftmax:
             if self.tokens_outer
             else [(k, v) for v in vocab for k in tokens]
         )
-        h = wb = None
-        for i, ((k0, k1), (v0, v1)) in enumerate(order):
-            if i == 0 or order[i - 1][0] != (k0, k1):
+        h = wb = rows = block = None
+        for (k0, k1), (v0, v1) in order:
+            if rows != (k0, k1):
                 h = None  # release the previous rows first
-                h = self._rows(k0, k1)
-            if i == 0 or order[i - 1][1] != (v0, v1):
+                h, rows = self._rows(k0, k1), (k0, k1)
+            if block != (v0, v1):
                 wb = None
-                wb = self._block(v0, v1)
+                wb, block = self._block(v0, v1), (v0, v1)
             yield k0, k1, v0, v1, h, wb
 
     def _block(self, v0: int, v1: int) -> torch.Tensor:
@@ -571,9 +568,10 @@ class TiledLinearSoftmax:
         g_lp = g_lp.to(acc)
         g_ent = None if g_ent is None else g_ent.to(acc)
         # dh: accumulated across vocabulary blocks in fp32 (fp64): in place when the output is fp32 (fp64) and
-        # every row is active; else in an [n, H] accumulator of the active rows from which the [N, H] output
-        # is made at the end, once the tiles are released (bf16, or fp32 with inactive rows: index_add_ into
-        # the output instead runs at ~60 ms per [512, 1024] block on CPU, a fifth of the whole op)
+        # every row is active; with inactive rows, per token tile in a [c, H] buffer written to its rows once
+        # (fp32 weights, tokens outside); else (bf16) in an [n, H] accumulator of the active rows from which
+        # the [N, H] output is made at the end, once the tiles are released (index_add_ into the output
+        # instead runs at ~60 ms per [512, 1024] block on CPU, a fifth of the whole op)
         dh = dh_acc = dh_part = dh_part32 = dh_tile = None
         if need_h and self.hidden.dtype == acc and self.index is None:
             dh = dh_acc = torch.zeros(N, H, dtype=acc, device=dev)

@@ -267,11 +267,12 @@ def flat_plan(plan: Plan) -> Plan:
     evaluated on runs of tokens that cross sequence boundaries (``evaluate_rows(..., rows=(slice(None),
     slice(s, e)))``); everything batch-wide in it was computed from the whole batch already."""
 
-    def row(t):
-        return None if t is None else t.reshape(1, -1)
-
-    fields = ("old", "adv", "mask", "weight", "corr", "ref")
-    return dataclasses.replace(plan, **{f: row(getattr(plan, f)) for f in fields})
+    bt = plan.mask.shape
+    tensors = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    return dataclasses.replace(
+        plan,
+        **{k: t.reshape(1, -1) for k, t in tensors.items() if isinstance(t, torch.Tensor) and t.shape == bt},
+    )
 
 
 def evaluate_rows(lp: torch.Tensor, ent: torch.Tensor | None, plan: Plan, rows: slice | None = None):
