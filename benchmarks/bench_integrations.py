@@ -167,7 +167,7 @@ def child(spec: dict) -> dict:
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
     x = make_inputs(spec["N"], spec["V"], DTYPES[spec["dtype"]])
     fns = {n: variant_fn(spec["op"], n) for n in spec["names"]}
-    if spec["mode"] == "memory":
+    if spec["mode"] in ("memory", "once"):
         (name,) = spec["names"]
         # a warm-up call on tiny inputs first: the library code it pages in, thread pools and allocator
         # arenas are the process's, not the working set of the measured call (~15 MiB on CPU)
@@ -175,8 +175,11 @@ def child(spec: dict) -> dict:
         with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
             f.write("5")
         base = _status_kib("VmRSS")
+        t0 = time.perf_counter()
         fns[name](x)
-        return {"peak_mib": (_status_kib("VmHWM") - base) / 1024.0}
+        seconds = time.perf_counter() - t0
+        peak = {"peak_mib": (_status_kib("VmHWM") - base) / 1024.0}
+        return peak if spec["mode"] == "memory" else dict(peak, time_s={name: seconds})
     times = {n: [] for n in fns}
     for rep in range(spec["reps"] + 1):  # the first round is a warm-up
         for n, fn in fns.items():
@@ -215,11 +218,20 @@ def kernel_rows(shapes, dtypes, ops, reps, cap_gb, timeout) -> list[dict]:
                 run = [n for n in names if n not in skipped]
                 base = dict(op=op, N=N, V=V, H=H, dtype=dtype)
                 print(f"{op} N={N} V={V} {dtype}: timing {run} ...", flush=True)
-                timing = run_child(dict(base, mode="time", names=run, reps=reps), cap_gb, timeout)
+                if reps:
+                    timing = run_child(dict(base, mode="time", names=run, reps=reps), cap_gb, timeout)
                 for n in names:
                     row = dict(base, variant=n)
                     if n in skipped:
                         row["status"] = skipped[n]
+                    elif not reps:  # one call, timed and measured in its own process
+                        once = run_child(dict(base, mode="once", names=[n]), cap_gb, timeout)
+                        ok = "error" not in once
+                        row.update(
+                            dict(time_s=once["time_s"][n], peak_mib=once["peak_mib"])
+                            if ok
+                            else {"status": once["error"]}
+                        )
                     elif "error" in timing:
                         row["status"] = timing["error"]
                     else:
@@ -399,7 +411,13 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="*", default=["4096x32768", "8192x32768", "4096x151936", "8192x151936"])
     p.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"])
     p.add_argument("--ops", nargs="*", default=list(OPS))
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=2,
+        help="timed rounds after one warm-up round; 0: one call per variant, timed and measured in its own "
+        "process (for shapes where one call takes many minutes, e.g. bf16 peers on a CPU without bf16 units)",
+    )
     p.add_argument("--mem-cap-gb", type=float, default=10.0)
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", type=Path, default=RESULTS)
