@@ -39,7 +39,7 @@ demo-real: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q --durations=15
 	$(MAKE) test-oldest
 
 test-oldest: $(OLDEST_STAMP)

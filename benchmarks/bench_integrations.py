@@ -221,7 +221,7 @@ def kernel_rows(shapes, dtypes, ops, reps, cap_gb, timeout) -> list[dict]:
                 if reps:
                     timing = run_child(dict(base, mode="time", names=run, reps=reps), cap_gb, timeout)
                 for n in names:
-                    row = dict(base, variant=n)
+                    row = dict(base, variant=n, reps=reps)
                     if n in skipped:
                         row["status"] = skipped[n]
                     elif not reps:  # one call, timed and measured in its own process

@@ -1,0 +1,90 @@
+"""How close bitrl and naive torch come to the matrix products they cannot avoid, on CPU, fp32.
+
+One forward + backward through an LM head does at least 3 products of N x H x V multiply-adds (the logits,
+the hidden gradient, the weight gradient); an op that does not keep the [N, V] logits for its backward adds
+a 4th (bitrl's log-prob + entropy recomputes them). This times, interleaved in one process, one whole
+[N x H] . [H x V] product (torch.mm, the fastest form of it on this machine) beside the log-prob + entropy
+and GRPO rows of bench_integrations.py (same inputs and losses), and writes each time in units of that
+product: what is left beyond the products is the rest of the op (softmax, loss, memory traffic).
+
+    python benchmarks/bench_gemm_floor.py --shape 4096x32768
+
+Results: benchmarks/results/bench_gemm_floor.json (merged by shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_integrations as bi  # noqa: E402
+
+from bitrl.benchmarks.stats import machine  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_gemm_floor.json"
+# products of N x H x V multiply-adds each variant runs: naive keeps the logits, bitrl's log-prob + entropy
+# recomputes them in its backward, its GRPO loss (one pass) forms the gradient inside the forward
+PRODUCTS = {
+    ("logprob_entropy", "naive"): 3,
+    ("logprob_entropy", "bitrl"): 4,
+    ("grpo_loss", "naive"): 3,
+    ("grpo_loss", "bitrl"): 3,
+}
+
+
+def measure(N: int, V: int, reps: int) -> dict:
+    x = bi.make_inputs(N, V, torch.float32)
+    h = x["h"].detach().reshape(N, -1)
+    w = x["w"].detach()
+    logits = torch.empty(N, V)
+    runs = {"gemm": lambda: torch.mm(h, w.t(), out=logits)}
+    for op, name in PRODUCTS:
+        fn = bi.variant_fn(op, name)
+        runs[f"{op}/{name}"] = lambda fn=fn: fn(x)
+    times = {k: [] for k in runs}
+    for rep in range(reps + 1):  # the first round is a warm-up
+        for k, run in runs.items():
+            x["h"].grad = x["w"].grad = None
+            t0 = time.perf_counter()
+            run()
+            if rep:
+                times[k].append(time.perf_counter() - t0)
+    best = {k: min(v) for k, v in times.items()}
+    gemm = best.pop("gemm")
+    rows = {"gemm_s": gemm, "gemm_gflops": 2 * N * bi.H * V / gemm / 1e9}
+    for (op, name), products in PRODUCTS.items():
+        t = best[f"{op}/{name}"]
+        rows[f"{op}/{name}"] = {"time_s": t, "in_gemms": t / gemm, "gemms": products}
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="4096x32768", help="NxV (H = 1024)")
+    p.add_argument("--reps", type=int, default=2, help="timed rounds after a warm-up round (minimum taken)")
+    p.add_argument("--json", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    N, V = (int(v) for v in args.shape.split("x"))
+    result = dict(N=N, V=V, H=bi.H, reps=args.reps, cpu=machine()["cpu"], **measure(N, V, args.reps))
+    print(
+        f"one [{N} x {bi.H}] . [{bi.H} x {V}] fp32 product: {result['gemm_s']:.2f} s "
+        f"({result['gemm_gflops']:.0f} GFLOP/s)"
+    )
+    for (op, name), products in PRODUCTS.items():
+        r = result[f"{op}/{name}"]
+        print(f"{op:16s} {name:6s} {r['time_s']:6.2f} s = {r['in_gemms']:.2f} products (needs {products})")
+    old = json.loads(args.json.read_text()) if args.json.exists() else {}
+    old[args.shape] = result
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(old, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
