@@ -202,14 +202,20 @@ def test_sampled_frequencies_match_the_filtered_softmax(impl, temperature, top_k
     torch.testing.assert_close(logps, expected.log()[tokens].float())
 
 
-@needs_triton
-def test_triton_frequencies_over_positions():
-    """The kernel's draws along the position counter of one seed: chi-square on a 6-token vocabulary."""
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_frequencies_over_positions(impl):
+    """Draws along the position counter of one seed: chi-square on a 6-token vocabulary. The Triton kernel
+    runs 120 positions (each program takes ~0.15 s under the interpreter) and must draw exactly what the
+    torch path draws at them."""
     logits = torch.tensor([2.0, 1.5, 0.5, 0.0, -0.5, -2.0])
-    n = 3000
-    tokens, _ = fused_sample(
-        logits.expand(n, -1), torch.full((n,), 11), torch.arange(n), 1.0, 0, 0.9, impl="triton"
-    )
+    n = 3000 if impl == "torch" else 120
+    args = (logits.expand(n, -1), torch.full((n,), 11), torch.arange(n), 1.0, 0, 0.9)
+    tokens, logps = fused_sample(*args, impl=impl)
+    if impl == "triton":
+        ref_tokens, ref_logps = fused_sample(*args, impl="torch")
+        assert torch.equal(tokens, ref_tokens)
+        torch.testing.assert_close(logps, ref_logps, atol=1e-6, rtol=1e-6)
+        return
     keep, expected = _filtered_softmax(logits, 1.0, 0, 0.9)
     counts = torch.bincount(tokens, minlength=6).double()
     chi2 = (((counts - n * expected) ** 2) / (n * expected))[keep].sum().item()
