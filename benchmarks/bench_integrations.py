@@ -9,7 +9,9 @@ torch path. Each row's variants are timed round-robin in ONE subprocess (machine
 peak memory is the growth of the peak RSS of one forward + backward in a fresh subprocess per variant, after a
 warm-up call on tiny inputs (so that code pages, thread pools and allocator arenas are not counted). Every
 subprocess runs under an address-space limit (``--mem-cap-gb``), and a variant whose planned working set
-exceeds the cap is recorded as "out of memory at X GB (planned)" instead of being run.
+exceeds the cap is recorded as "out of memory at X GB (planned)" instead of being run. With ``--reps 0`` each
+variant instead runs one call in its own process, timed and measured together (for calls that take many
+minutes, such as emulated bf16 GEMMs on a CPU without bf16 units).
 
     python benchmarks/bench_integrations.py --kernels --shapes 4096x32768 --dtypes fp32 bf16
     python benchmarks/bench_integrations.py --trainer          # TRL GRPOTrainer, tiny Qwen2, 3 steps each
