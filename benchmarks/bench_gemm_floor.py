@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -47,14 +46,7 @@ def measure(N: int, V: int, reps: int) -> dict:
     for op, name in PRODUCTS:
         fn = bi.variant_fn(op, name)
         runs[f"{op}/{name}"] = lambda fn=fn: fn(x)
-    times = {k: [] for k in runs}
-    for rep in range(reps + 1):  # the first round is a warm-up
-        for k, run in runs.items():
-            x["h"].grad = x["w"].grad = None
-            t0 = time.perf_counter()
-            run()
-            if rep:
-                times[k].append(time.perf_counter() - t0)
+    times = bi.interleaved_times(runs, reps, setup=lambda _: bi.reset_grads(x))
     best = {k: min(v) for k, v in times.items()}
     gemm = best.pop("gemm")
     rows = {"gemm_s": gemm, "gemm_gflops": 2 * N * bi.H * V / gemm / 1e9}

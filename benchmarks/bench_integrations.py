@@ -164,6 +164,32 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def interleaved_times(runs: dict, reps: int, setup=None) -> dict[str, list[float]]:
+    """Each callable of ``runs`` timed round-robin (machine noise hits them alike): one warm-up round, then
+    ``reps`` timed rounds. ``setup(name)``, when given, runs untimed before each call."""
+    times = {name: [] for name in runs}
+    for rep in range(reps + 1):  # the first round is a warm-up
+        for name, run in runs.items():
+            if setup is not None:
+                setup(name)
+            t0 = time.perf_counter()
+            run()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def rss_growth_mib(call) -> tuple[float, float]:
+    """(peak RSS growth in MiB, seconds) of one ``call()``; VmHWM is reset to the current RSS first."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_kib("VmRSS")
+    t0 = time.perf_counter()
+    call()
+    seconds = time.perf_counter() - t0
+    return (_status_kib("VmHWM") - base) / 1024.0, seconds
+
+
 def child(spec: dict) -> dict:
     """Runs in a subprocess: timing (round-robin over spec['names']) or the peak memory of one variant."""
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
@@ -174,23 +200,16 @@ def child(spec: dict) -> dict:
         # a warm-up call on tiny inputs first: the library code it pages in, thread pools and allocator
         # arenas are the process's, not the working set of the measured call (~15 MiB on CPU)
         fns[name](make_inputs(64, 512, DTYPES[spec["dtype"]]))
-        with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
-            f.write("5")
-        base = _status_kib("VmRSS")
-        t0 = time.perf_counter()
-        fns[name](x)
-        seconds = time.perf_counter() - t0
-        peak = {"peak_mib": (_status_kib("VmHWM") - base) / 1024.0}
-        return peak if spec["mode"] == "memory" else dict(peak, time_s={name: seconds})
-    times = {n: [] for n in fns}
-    for rep in range(spec["reps"] + 1):  # the first round is a warm-up
-        for n, fn in fns.items():
-            x["h"].grad = x["w"].grad = None
-            t0 = time.perf_counter()
-            fn(x)
-            if rep:
-                times[n].append(time.perf_counter() - t0)
+        peak, seconds = rss_growth_mib(lambda: fns[name](x))
+        timed = {"time_s": {name: seconds}} if spec["mode"] == "once" else {}
+        return {"peak_mib": peak, **timed}
+    runs = {n: (lambda fn=fn: fn(x)) for n, fn in fns.items()}
+    times = interleaved_times(runs, spec["reps"], setup=lambda _: reset_grads(x))
     return {"time_s": {n: statistics.median(v) for n, v in times.items()}}
+
+
+def reset_grads(x: dict) -> None:
+    x["h"].grad = x["w"].grad = None
 
 
 def run_child(spec: dict, cap_gb: float, timeout: float) -> dict:

@@ -20,7 +20,6 @@ import importlib
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -57,11 +56,7 @@ def peak_memory_child(N: int, V: int, name: str) -> float:
     fn = bi.variant_fn("grpo_loss", "bitrl")
     fn(bi.make_inputs(64, 512, torch.float32))
     x = bi.make_inputs(N, V, torch.float32)
-    with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
-        f.write("5")
-    base = bi._status_kib("VmRSS")
-    fn(x)
-    return (bi._status_kib("VmHWM") - base) / 1024.0
+    return bi.rss_growth_mib(lambda: fn(x))[0]
 
 
 def main(argv=None) -> int:
@@ -82,15 +77,11 @@ def main(argv=None) -> int:
         memory[name] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     fn = bi.variant_fn("grpo_loss", "bitrl")
     x = bi.make_inputs(N, V, torch.float32)
-    times = {name: [] for name in CONFIGS}
-    for rep in range(args.reps + 1):  # the first round is a warm-up
-        for name in CONFIGS:
-            configure(name)
-            x["h"].grad = x["w"].grad = None
-            t0 = time.perf_counter()
-            fn(x)
-            if rep:
-                times[name].append(time.perf_counter() - t0)
+    times = bi.interleaved_times(
+        {name: (lambda: fn(x)) for name in CONFIGS},
+        args.reps,
+        setup=lambda name: (configure(name), bi.reset_grads(x)),
+    )
     configure("one-pass16")
     one_pass = min(times["one-pass16"])
     rows = []

@@ -37,6 +37,7 @@ from .fused_logprobs import (
     acc_dtype,
     check_linear_outputs,
     default_chunk_size,
+    device_budget,
     fused_logprobs,
     validate_linear_inputs,
 )
@@ -227,8 +228,7 @@ def _torch_path(
     if token_level:
         row_bytes = acc_dtype(hidden).itemsize * V
         tokens = max(ONE_PASS_MIN_TOKENS, ONE_PASS_CHUNK_BYTES // row_bytes)
-        budgets = TILE_BYTES["loss"]
-        fits = tokens * row_bytes <= budgets.get(hidden.device.type, budgets["cpu"])
+        fits = tokens * row_bytes <= device_budget(TILE_BYTES["loss"], hidden.device)
         return (False, (max(1, B), tokens)) if fits else tiles
     rows = default_chunk_size(V, hidden.device, ONE_PASS_CHUNK_BYTES) // max(T, 1)
     if rows == 0 and T * V * 4 > ONE_PASS_SEQUENCE_BYTES:

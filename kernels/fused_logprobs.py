@@ -51,10 +51,14 @@ CHUNK_BYTES = {"cpu": 128 * 2**20, "cuda": 1024 * 2**20}
 LOGITS_BLOCK = 1024  # vocabulary columns per logits matmul of a CPU chunk (ChunkEngine.logits)
 
 
+def device_budget(budgets: dict[str, int], device: torch.device | str) -> int:
+    """The byte budget of ``device``'s type in a {"cpu": ..., "cuda": ...} table (others: the CPU's)."""
+    return budgets.get(torch.device(device).type, budgets["cpu"])
+
+
 def default_chunk_size(vocab: int, device: torch.device | str = "cpu", budget_bytes: int | None = None):
     """Tokens per chunk so that one fp32 [chunk, V] logits tile stays within the device's budget."""
-    dev = torch.device(device).type
-    budget = budget_bytes if budget_bytes is not None else CHUNK_BYTES.get(dev, CHUNK_BYTES["cpu"])
+    budget = budget_bytes if budget_bytes is not None else device_budget(CHUNK_BYTES, device)
     return max(16, min(65536, budget // (4 * max(int(vocab), 1))))
 
 
@@ -421,8 +425,7 @@ class TiledLinearSoftmax:
         low = 0 if self.mm == self.acc else torch.finfo(self.mm).bits // 8
         acc_bytes = torch.finfo(self.acc).bits // 8
         elem = acc_bytes * (2 if need_ent else 1) + low
-        budgets = TILE_BYTES[self.op]
-        budget = budgets.get(self.hidden.device.type, budgets["cpu"])
+        budget = device_budget(TILE_BYTES[self.op], self.hidden.device)
         self.c, self.vb = tile_shape(self.n, self.weight.shape[0], self.chunk, elem, budget)
         self.tokens_outer = self.mm == self.acc and self.weight.dtype == self.acc
         if self.tokens_outer and self.op == "loss" and self.hidden.device.type == "cpu":
