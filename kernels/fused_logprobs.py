@@ -40,7 +40,7 @@ from ._common import (
     resolve_impl,
 )
 
-__all__ = ["fused_logprobs", "fused_logprobs_reference", "default_chunk_size"]
+__all__ = ["fused_logprobs", "fused_logprobs_reference", "default_chunk_size", "KEEP_LOGITS_BYTES"]
 
 # Bytes of fp32 logits one chunk may hold. On CPU, 128 MiB keeps the peak far below the unfused path while
 # each chunk's matmuls run at full speed (1024 tokens at V = 32k measured ~3% faster than 512); on a GPU,
@@ -186,15 +186,33 @@ class ChunkEngine:
     Torch backend, no entropy: the logits buffer is exponentiated in place (p = e / sum e), so one [c, V]
     buffer and about five passes over it cover forward and gradient. With entropy, a second buffer keeps
     z - max. Triton backend: the row kernels read the logits and write the gradient in place.
+
+    ``kept`` (optional, [k, V] in the accumulation dtype, k a multiple of the chunk): the logits (bias
+    included) of chunk rows [0, k), written by ``forward`` when ``fill`` and read back in place of their
+    product otherwise (the backward pass).
     """
 
     def __init__(
-        self, hidden, weight, bias, y, valid, inv_t, *, chunk, backend, need_ent, unit_temperature, index=None
+        self,
+        hidden,
+        weight,
+        bias,
+        y,
+        valid,
+        inv_t,
+        *,
+        chunk,
+        backend,
+        need_ent,
+        unit_temperature,
+        index=None,
+        kept=None,
+        fill=False,
     ):
         # ``index``: optional sorted token ids to compute (padding / ignored tokens are skipped entirely:
         # no logits, no matmul rows); chunk positions k0:k1 then refer to index[k0:k1].
         self.hidden, self.bias, self.y, self.valid, self.inv_t = hidden, bias, y, valid, inv_t
-        self.index = index
+        self.index, self.kept, self.fill = index, kept, fill
         self.backend, self.need_ent = backend, need_ent
         self.acc = acc_dtype(hidden)
         self.mm = matmul_dtype(hidden)
@@ -222,8 +240,12 @@ class ChunkEngine:
         idx = self.index[s:e]
         return idx, self.hidden.index_select(0, idx), self.y[idx], self.valid[idx], self.inv_t[idx]
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, s: int = 0) -> torch.Tensor:
+        """fp32 (fp64) logits (bias included) of the chunk of rows [s, s + len(h))."""
         z = self.zbuf[: h.shape[0]]
+        e, k = s + h.shape[0], 0 if self.kept is None else self.kept.shape[0]
+        if e <= k and not self.fill:
+            return z.copy_(self.kept[s:e])
         if self.mm == self.acc:
             # on CPU in vocabulary blocks: a [c, H] x [H, V] product with V in the tens of thousands packs
             # ~10 MiB of the weight and ran ~1.5x slower than the same product in LOGITS_BLOCK-column blocks
@@ -235,13 +257,15 @@ class ChunkEngine:
             z.copy_(mm_acc(h.to(self.mm), self.w_mm.t(), self.acc))
         if self.bias_acc is not None:
             z.add_(self.bias_acc)
+        if self.fill and e <= k:
+            self.kept[s:e].copy_(z)
         return z
 
     def forward(self, s: int, e: int, need_ent: bool | None = None):
         need_ent = self.need_ent if need_ent is None else need_ent
         idx, h, y, valid, inv_t = self._select(s, e)
         self._start = s
-        z = self.logits(h)
+        z = self.logits(h, s)
         self._cur = (idx, h, y, inv_t)
         if self.backend == "triton":
             lp, ent, stats = row_stats_triton(z, y, inv_t, valid, need_ent)
@@ -352,6 +376,12 @@ DH_ROWS = 512  # tokens per partial hidden-gradient product of a bf16 tile (its 
 # (GRPO, N=4096 V=151936 H=1024, 2-core CPU: 614 MiB in 36 s, against 652 MiB in 33 s for 3584 x 2304
 # tiles, vocabulary outside, with [n, H] buffers of the gathered rows and their gradient)
 TOKEN_TILE_ROWS = 256
+# Bytes of logits the torch backend keeps from the forward for the backward (``keep_logits_bytes``): a kept
+# column block skips its recomputation, the one product of the four (logits, logits again, dh, dW) that
+# the unfused path does not run. On CPU a product runs at ~120 GFLOP/s, so recomputing N=4096 V=32768
+# H=1024 costs ~2.3 s of the op's ~9 s, while 512 MiB of host memory is cheap; on a GPU that memory holds
+# the model and its activations, and the product is fast, so nothing is kept by default.
+KEEP_LOGITS_BYTES = {"cpu": 512 * 2**20, "cuda": 0}
 TILE_MIN_VOCAB = 256  # a tile holds every token when that leaves at least this many vocabulary columns
 VOCAB_ALIGN = 64  # vocabulary tiles are multiples of this (below it, any size: the tests use tiny tiles)
 
@@ -367,6 +397,11 @@ def tile_shape(n: int, V: int, chunk: int, elem_bytes: int, budget: int) -> tupl
     if vb >= V:
         return c, V
     return c, (vb // VOCAB_ALIGN * VOCAB_ALIGN if vb >= VOCAB_ALIGN else vb)
+
+
+def kept_columns(n: int, V: int, elem_bytes: int, budget: int) -> int:
+    """Vocabulary columns [0, k) of all ``n`` tokens' logits that fit in ``budget`` bytes."""
+    return min(V, budget // max(1, n * elem_bytes))
 
 
 class TiledLinearSoftmax:
@@ -385,6 +420,8 @@ class TiledLinearSoftmax:
 
     Nothing is larger than a tile except the outputs and, for low-precision weights, the gathered hidden rows
     and a [n, H] fp32 hidden-gradient accumulator: the weight gradient is written block by block in its dtype.
+    ``kept`` (optional, [n, k] in the matmul dtype): the raw products h W^T of vocabulary columns [0, k),
+    written by ``stats()`` and read by ``grad()`` in place of their recomputation (the same values).
 
     Numerics: fp32 and fp64 inputs multiply in their dtype. bf16 inputs multiply in bf16 (the GEMM
     accumulates in fp32; its [c, vb] logits come out rounded to bf16, as in an unfused bf16 forward, and are
@@ -399,11 +436,24 @@ class TiledLinearSoftmax:
     """
 
     def __init__(
-        self, hidden, weight, bias, y, valid, inv_t, *, chunk, need_ent, unit_temperature, op, index=None
+        self,
+        hidden,
+        weight,
+        bias,
+        y,
+        valid,
+        inv_t,
+        *,
+        chunk,
+        need_ent,
+        unit_temperature,
+        op,
+        index=None,
+        kept=None,
     ):
         """``op``: "logprobs" or "loss", whose ``TILE_BYTES`` budget sizes the tiles."""
         self.hidden, self.weight = hidden, weight
-        self.index = index
+        self.index, self.kept = index, kept
         self.acc = acc_dtype(hidden)
         self.mm = tile_matmul_dtype(hidden)
         sel = (lambda x: x) if index is None else (lambda x: x[index])
@@ -476,18 +526,29 @@ class TiledLinearSoftmax:
         w = self.weight[v0:v1]
         return w if w.dtype == self.mm else w.to(self.mm)
 
-    def _logits(self, h, wb, v0, v1, k0, k1, shift=None):
+    def _product(self, h, wb, k0, k1, v0, v1, out, fill):
+        """out [c, w] = h @ wb^T, the tile's raw logits in the matmul dtype. Columns held in ``kept`` are
+        written there (``fill``, the statistics pass) or read from it (the gradient pass)."""
+        w = v1 - v0
+        k = 0 if self.kept is None else min(w, max(0, self.kept.shape[1] - v0))
+        if fill or k == 0:
+            torch.mm(h, wb.t(), out=out)
+            if k:
+                self.kept[k0:k1, v0 : v0 + k].copy_(out[:, :k])
+            return out
+        out[:, :k].copy_(self.kept[k0:k1, v0 : v0 + k])
+        if k < w:  # a block across the kept edge: multiply the rest
+            torch.mm(h, wb[k:].t(), out=out[:, k:])
+        return out
+
+    def _logits(self, h, wb, v0, v1, k0, k1, shift=None, fill=False):
         """fp32 (fp64) logits of tokens [k0, k1) and vocabulary [v0, v1), scaled by 1/T, clamped, minus the
         per-token shift when given: ``shift`` [2, c] = (large, small), subtracted one after the other (the
         row max first: z - max is exact near the max, where p is not negligible)."""
         c, w = k1 - k0, v1 - v0
         z = self.zbuf[: c * w].view(c, w)
-        if self.lowbuf is None:
-            torch.mm(h, wb.t(), out=z)
-            src = z
-        else:
-            src = self.lowbuf[: c * w].view(c, w)
-            torch.mm(h, wb.t(), out=src)
+        src = z if self.lowbuf is None else self.lowbuf[: c * w].view(c, w)
+        self._product(h, wb, k0, k1, v0, v1, src, fill)
         # upcast first, then work in place: an op mixing the bf16 tile with fp32 operands would make a fp32
         # temporary of the whole tile on CPU (one more allocation and pass per tile)
         if src is not z:
@@ -504,13 +565,13 @@ class TiledLinearSoftmax:
             z.sub_(shift[0].unsqueeze(-1)).sub_(shift[1].unsqueeze(-1))
         return z
 
-    def _low_logits(self, h, wb, k0, k1):
+    def _low_logits(self, h, wb, k0, k1, v0, v1):
         """The tile's logits in the low-precision matmul dtype when nothing else applies to them (no bias,
-        temperature 1, no clamping), else None (no matmul run)."""
+        temperature 1, no clamping), else None (no matmul run). Statistics pass only."""
         if self.lowbuf is None or self.bias is not None or self.scale or self.clamp:
             return None
         low = self.lowbuf[: h.shape[0] * wb.shape[0]].view(h.shape[0], wb.shape[0])
-        return torch.mm(h, wb.t(), out=low)
+        return self._product(h, wb, k0, k1, v0, v1, low, fill=True)
 
     def _target_col(self, k0, k1, v0, v1):
         """(column of each token's target inside the block, clamped, and whether it lies in the block)."""
@@ -531,14 +592,14 @@ class TiledLinearSoftmax:
         for k0, k1, v0, v1, h, wb in self._tiles():
             col, inb = self._target_col(k0, k1, v0, v1)
             m_old = m[k0:k1]
-            low = self._low_logits(h, wb, k0, k1)
+            low = self._low_logits(h, wb, k0, k1, v0, v1)
             if low is not None:  # bf16 logits as they are: the max and the target are exact in bf16
                 m_new = torch.maximum(m_old, low.amax(dim=1).to(acc))
                 zy[k0:k1] = torch.where(inb, low.gather(1, col).squeeze(1).to(acc), zy[k0:k1])
                 z = self.zbuf[: low.numel()].view_as(low)
                 z.copy_(low).sub_(m_new.unsqueeze(-1))  # in place: no fp32 temporary of the tile
             else:
-                z = self._logits(h, wb, v0, v1, k0, k1)
+                z = self._logits(h, wb, v0, v1, k0, k1, fill=True)
                 zy[k0:k1] = torch.where(inb, z.gather(1, col).squeeze(1), zy[k0:k1])
                 m_new = torch.maximum(m_old, z.amax(dim=1))
                 z.sub_(m_new.unsqueeze(-1))
@@ -921,7 +982,9 @@ class FusedLogprobsFunction(torch.autograd.Function):
     """Chunked hidden->log-prob/entropy with recomputation in backward. Returns (lp [N], entropy [N])."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, need_ent, chunk, backend, unit_t):
+    def forward(
+        ctx, hidden, weight, bias, targets, inv_t, ignore_index, need_ent, chunk, backend, unit_t, keep_bytes
+    ):
         N, _ = hidden.shape
         acc = acc_dtype(hidden)
         valid = targets != ignore_index
@@ -932,6 +995,9 @@ class FusedLogprobsFunction(torch.autograd.Function):
         ent = torch.zeros(N if need_ent else 0, dtype=acc, device=hidden.device)
         stats = ()
         if backend == "torch":
+            mm = tile_matmul_dtype(hidden)
+            k = kept_columns(n, weight.shape[0], torch.finfo(mm).bits // 8, keep_bytes)
+            kept = torch.empty(n, k, dtype=mm, device=hidden.device) if k else None
             eng = TiledLinearSoftmax(
                 hidden,
                 weight,
@@ -944,14 +1010,19 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 unit_temperature=unit_t,
                 op="logprobs",
                 index=index,
+                kept=kept,
             )
             lp_a, ent_a, lse, gap = eng.stats()
             rows = slice(None) if index is None else index
             lp[rows] = lp_a
             if need_ent:
                 ent[rows] = ent_a
-            stats = (lse, gap)  # the backward pass needs no forward recomputation
+            stats = (lse, gap, kept)  # the backward pass needs no forward recomputation
         else:
+            # whole chunks of rows: each one is either kept or recomputed
+            row_bytes = weight.shape[0] * torch.finfo(acc).bits // 8
+            k = min(n, keep_bytes // (row_bytes * chunk) * chunk)
+            kept = torch.empty(k, weight.shape[0], dtype=acc, device=hidden.device) if k else None
             eng = ChunkEngine(
                 hidden,
                 weight,
@@ -964,7 +1035,10 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 need_ent=need_ent,
                 unit_temperature=unit_t,
                 index=index,
+                kept=kept,
+                fill=True,
             )
+            stats = (None, None, kept)
             for s in range(0, n, chunk):
                 e = min(n, s + chunk)
                 lp_c, ent_c, _, _ = eng.forward(s, e)
@@ -986,7 +1060,7 @@ class FusedLogprobsFunction(torch.autograd.Function):
         if g_ent is not None and g_ent.numel() == 0:
             g_ent = None
         if g_lp is None and g_ent is None:
-            return (None,) * 10
+            return (None,) * 11
         N, _ = hidden.shape
         acc = acc_dtype(hidden)
         vf = valid.to(acc)
@@ -1006,9 +1080,10 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 unit_temperature=unit_t,
                 op="logprobs",
                 index=index,
+                kept=stats[2],
             )
             sel = (lambda x: x) if index is None else (lambda x: x[index])
-            lse, gap = stats
+            lse, gap, _ = stats
             dh, dw, db = eng.grad(
                 sel(g_lp),
                 None if g_ent is None else sel(g_ent),
@@ -1022,7 +1097,7 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 dh,
                 dw,
                 None if db is None else db.to(bias.dtype),
-            ) + (None,) * 7
+            ) + (None,) * 8
         eng = ChunkEngine(
             hidden,
             weight,
@@ -1035,6 +1110,7 @@ class FusedLogprobsFunction(torch.autograd.Function):
             need_ent=g_ent is not None,
             unit_temperature=unit_t,
             index=index,
+            kept=stats[2],
         )
         n = N if index is None else index.numel()
         dh = None
@@ -1052,14 +1128,7 @@ class FusedLogprobsFunction(torch.autograd.Function):
             dh,
             None if dw is None else dw.to(weight.dtype),
             None if db is None else db.to(bias.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        ) + (None,) * 8
 
 
 def fused_logprobs(
@@ -1073,6 +1142,7 @@ def fused_logprobs(
     return_entropy: bool = True,
     impl: str | None = None,
     chunk_size: int | None = None,
+    keep_logits_bytes: int | None = None,
     check_finite: bool = True,
 ):
     """Log-prob (and entropy) of ``targets`` under softmax((hidden @ weight.T + bias) / temperature).
@@ -1086,6 +1156,9 @@ def fused_logprobs(
         return_entropy: also return the entropy of each row's distribution.
         impl: ``"triton" | "torch" | "reference"``; default from ``BITRL_KERNEL_IMPL`` or the device.
         chunk_size: tokens per chunk (default: about 128 MiB of fp32 logits on CPU, 1 GiB on CUDA).
+        keep_logits_bytes: bytes of logits the forward may keep for the backward, which then skips their
+            recomputation (the same values); default ``KEEP_LOGITS_BYTES`` of the device: 512 MiB on CPU,
+            0 on CUDA. 0 recomputes everything. Nothing is kept when no input requires a gradient.
         check_finite: raise ``ValueError`` naming the input when hidden, weight or bias hold NaN/inf, found
             from the [N] outputs (one device sync per call; the [V, H] weight is not scanned); ``False``
             skips it.
@@ -1118,8 +1191,24 @@ def fused_logprobs(
         if chunk <= 0:
             raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
         unit_t = not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0
+        if keep_logits_bytes is None:
+            keep_logits_bytes = device_budget(KEEP_LOGITS_BYTES, hidden.device)
+        if int(keep_logits_bytes) < 0:
+            raise ValueError(f"keep_logits_bytes: must be >= 0, got {keep_logits_bytes}")
+        grads = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+        keep = int(keep_logits_bytes) if grads and torch.is_grad_enabled() else 0
         lp, ent = FusedLogprobsFunction.apply(
-            hidden, weight, bias, targets, inv_t, int(ignore_index), bool(return_entropy), chunk, impl, unit_t
+            hidden,
+            weight,
+            bias,
+            targets,
+            inv_t,
+            int(ignore_index),
+            bool(return_entropy),
+            chunk,
+            impl,
+            unit_t,
+            keep,
         )
         ent = ent if return_entropy else None
     if check_finite:

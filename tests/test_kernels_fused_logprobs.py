@@ -19,6 +19,7 @@ from test_kernels_helpers import (
     needs_triton,
     triton_device,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bitrl.kernels import fused_logprobs, fused_logprobs_reference
 
@@ -86,12 +87,16 @@ def _tile_bytes(nbytes: int):
 # (tile bytes, chunk_size): one tile; every token in each tile with 3 vocabulary blocks (a bf16 tile element
 # takes 10 bytes with entropy, fp32 8); tiles of a few tokens by 64 columns
 TILES = {"one": (0, None), "vocab-blocks": (10 * 260 * 40, None), "small": (700, 16)}
+# keep_logits_bytes: every tile recomputed in the backward; the columns of a few tiles kept, the edge inside
+# a tile (40 tokens x 150 fp32 or 300 bf16 columns); everything kept (the CPU default at these sizes)
+KEEP = {"recompute": 0, "part": 40 * 600, "all": None}
 
 
+@pytest.mark.parametrize("keep", list(KEEP))
 @pytest.mark.parametrize("tiles", list(TILES))
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
 @pytest.mark.parametrize("per_token_t", [False, True])
-def test_torch_path_as_accurate_as_unfused(dtype, per_token_t, tiles, cpu_bf16_matmul):
+def test_torch_path_as_accurate_as_unfused(dtype, per_token_t, tiles, keep, cpu_bf16_matmul):
     N, H, V = 40, 24, 600
     h, w, y, b = _inputs(N, H, V, dtype, bias=True)
     y[5] = -100
@@ -101,7 +106,8 @@ def test_torch_path_as_accurate_as_unfused(dtype, per_token_t, tiles, cpu_bf16_m
     unfused = _run(fused_logprobs_reference, h, w, y, b, temperature=t)
     tile_bytes, chunk = TILES[tiles]
     with _tile_bytes(tile_bytes):
-        fused = _run(fused_logprobs, h, w, y, b, temperature=t, impl="torch", chunk_size=chunk)
+        kw = dict(temperature=t, impl="torch", chunk_size=chunk, keep_logits_bytes=KEEP[keep])
+        fused = _run(fused_logprobs, h, w, y, b, **kw)
     for name, f, u, r in zip(NAMES, fused, unfused, ref):
         assert_as_accurate(f, u, r, atol=1e-5, rtol=1e-5, what=f"{dtype} {name}")
         if dtype == torch.float32:  # absolute fp32 tolerances
@@ -231,8 +237,8 @@ def test_low_precision_weights_get_no_fp32_weight_sized_buffer(dtype, cpu_bf16_m
     y[3] = -100
     monkeypatch.setitem(fl.TILE_BYTES["logprobs"], "cpu", N * 128 * tile_elem_bytes(dtype, entropy=True))
     spy = LargestFp32Tensor()
-    with spy:
-        got = _run(fused_logprobs, h, w, y, impl="torch")
+    with spy:  # no kept logits either (their budget is tested on its own)
+        got = _run(fused_logprobs, h, w, y, impl="torch", keep_logits_bytes=0)
     assert got[2].dtype == dtype and got[3].dtype == dtype
     assert 0 < spy.largest <= V * H // 4, f"an fp32 tensor of {spy.largest} elements (V x H = {V * H})"
     ref, unfused = _ref64(h, w, y), _run(fused_logprobs_reference, h, w, y)
@@ -264,18 +270,23 @@ PROPERTY = dict(
 )
 
 
+KEEP_BYTES = st.sampled_from([0, 4 * 9 * 20, None])  # recompute all, some columns or rows, keep all
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(chunk=st.integers(1, 8), tile=st.sampled_from([0, 8, 96, 1000]), **PROPERTY)
-def test_property_matches_fp64(N, H, V, chunk, tile, scale, per_token, ignore_frac, neg_inf, seed):
-    _check_torch_case(N, H, V, chunk, tile, scale, per_token, ignore_frac, neg_inf, seed)
+@given(chunk=st.integers(1, 8), tile=st.sampled_from([0, 8, 96, 1000]), keep=KEEP_BYTES, **PROPERTY)
+def test_property_matches_fp64(N, H, V, chunk, tile, keep, scale, per_token, ignore_frac, neg_inf, seed):
+    _check_torch_case(N, H, V, chunk, tile, scale, per_token, ignore_frac, neg_inf, seed, keep)
 
 
-def _check_torch_case(N, H, V, chunk, tile, scale, per_token, ignore_frac, neg_inf, seed):
+def _check_torch_case(N, H, V, chunk, tile, scale, per_token, ignore_frac, neg_inf, seed, keep=None):
     """The torch backend is finite and as accurate as unfused fp32 against fp64, values and gradients."""
     h, w, y, b, t = _property_case(N, H, V, scale, per_token, ignore_frac, neg_inf, seed)
     ref = _ref64(h, w, y, b, temperature=t)
     with _tile_bytes(tile):
-        got = _run(fused_logprobs, h, w, y, b, temperature=t, impl="torch", chunk_size=chunk)
+        got = _run(
+            fused_logprobs, h, w, y, b, temperature=t, impl="torch", chunk_size=chunk, keep_logits_bytes=keep
+        )
     unf = _run(fused_logprobs_reference, h, w, y, b, temperature=t)
     for name, g, u, r in zip(NAMES, got, unf, ref):
         assert torch.isfinite(g).all(), name
@@ -298,8 +309,8 @@ def test_huge_logits_at_low_temperature_keep_fp32_accuracy(case):
 
 @needs_triton
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(**PROPERTY)
-def test_property_triton_matches_fp64(N, H, V, scale, per_token, ignore_frac, neg_inf, seed):
+@given(keep=KEEP_BYTES, **PROPERTY)
+def test_property_triton_matches_fp64(N, H, V, keep, scale, per_token, ignore_frac, neg_inf, seed):
     h, w, y, b, t = _property_case(N, H, V, scale, per_token, ignore_frac, neg_inf, seed)
     ref = _ref64(h, w, y, b, temperature=t)
     dev = triton_device()
@@ -313,11 +324,69 @@ def test_property_triton_matches_fp64(N, H, V, scale, per_token, ignore_frac, ne
         temperature=tt,
         impl="triton",
         chunk_size=4,
+        keep_logits_bytes=keep,
     )
     unf = _run(fused_logprobs_reference, h, w, y, b, temperature=t)
     for name, g, u, r in zip(NAMES, got, unf, ref):
         assert torch.isfinite(g).all(), name
         assert_as_accurate(g.cpu(), u, r, atol=1e-4, rtol=1e-5, what=name)
+
+
+PRODUCTS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+
+
+class CountProducts(TorchDispatchMode):
+    """Counts the matrix products (mm, addmm) run inside the context, and the largest tensor made."""
+
+    def __init__(self):
+        super().__init__()
+        self.products = self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.products += func.overloadpacket in PRODUCTS
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_kept_logits_skip_the_recomputation(impl):
+    """Kept logits replace the backward's product of each kept tile (2 products per tile, not 3), give the
+    same values and gradients, and stay within their budget; half a budget keeps part of them."""
+    N, H, V = 16, 8, 1280
+    dev = "cpu" if impl == "torch" else triton_device()
+    h, w, y, b = _inputs(N, H, V, torch.float32, bias=True, device=dev)
+    y[4] = -100
+    h, w = h.requires_grad_(True), w.requires_grad_(True)
+    chunk = 5 if impl == "triton" else None  # 3 chunks of the 15 active rows
+    runs = {}
+    for keep in (0, 15 * V * 4 // 2, 15 * V * 4):
+        with _tile_bytes(15 * 256 * 8):  # 5 vocabulary blocks of 256 columns (torch)
+            lp, ent = fused_logprobs(
+                h, w, y, bias=b, temperature=0.8, impl=impl, chunk_size=chunk, keep_logits_bytes=keep
+            )
+            counter = CountProducts()
+            with counter:
+                grads = torch.autograd.grad((lp * 0.3 - ent).sum(), (h, w))
+        runs[keep] = (lp, ent, *grads, counter)
+    tiles = 5 if impl == "torch" else 3
+    products = [run[-1].products for run in runs.values()]
+    assert products[0] > products[1] > products[2] == 2 * tiles  # dh and dW of each tile
+    if impl == "torch":
+        assert products[0] == 3 * tiles
+    for keep, run in runs.items():
+        for name, got, want in zip(NAMES, run[:4], runs[0][:4]):
+            assert_close(got.cpu(), want.cpu(), atol=1e-6, rtol=1e-6, what=f"keep {keep} {name}")
+    # no more than the budget, and nothing at all without a gradient to compute
+    budget = 15 * V * 2
+    for grad_mode in (True, False):
+        counter = CountProducts()
+        with _tile_bytes(15 * 256 * 8), counter, torch.set_grad_enabled(grad_mode):
+            fused_logprobs(h, w, y, bias=b, impl=impl, chunk_size=chunk, keep_logits_bytes=budget)
+        limit = budget if grad_mode else 15 * 256 * 8
+        assert counter.largest <= max(limit, V * H * 4), (grad_mode, counter.largest)
 
 
 def test_validation_errors_name_the_argument():
@@ -336,6 +405,7 @@ def test_validation_errors_name_the_argument():
         (dict(weight=torch.full_like(w, float("inf"))), "weight"),
         (dict(bias=torch.full_like(b, float("nan"))), "bias"),
         (dict(impl="cuda-magic"), "impl"),
+        (dict(keep_logits_bytes=-1), "keep_logits_bytes"),
     ]
     for over, name in cases:
         args = dict(hidden=h, weight=w, targets=y, bias=b)
