@@ -2,7 +2,8 @@
 
 One forward + backward through an LM head does at least 3 products of N x H x V multiply-adds (the logits,
 the hidden gradient, the weight gradient); an op that does not keep the [N, V] logits for its backward adds
-a 4th (bitrl's log-prob + entropy recomputes them). This times, interleaved in one process, one whole
+a 4th for what it recomputes (bitrl's log-prob + entropy keeps up to ``KEEP_LOGITS_BYTES``, 512 MiB on CPU,
+and recomputes the rest; "bitrl-recompute" keeps nothing). This times, interleaved in one process, one whole
 [N x H] . [H x V] product (torch.mm, the fastest form of it on this machine) beside the log-prob + entropy
 and GRPO rows of bench_integrations.py (same inputs and losses), and writes each time in units of that
 product: what is left beyond the products is the rest of the op (softmax, loss, memory traffic).
@@ -25,16 +26,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_integrations as bi  # noqa: E402
 
 from bitrl.benchmarks.stats import machine  # noqa: E402
+from bitrl.kernels import fused_logprobs  # noqa: E402
+from bitrl.kernels.fused_logprobs import KEEP_LOGITS_BYTES  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_gemm_floor.json"
-# products of N x H x V multiply-adds each variant runs: naive keeps the logits, bitrl's log-prob + entropy
-# recomputes them in its backward, its GRPO loss (one pass) forms the gradient inside the forward
-PRODUCTS = {
-    ("logprob_entropy", "naive"): 3,
-    ("logprob_entropy", "bitrl"): 4,
-    ("grpo_loss", "naive"): 3,
-    ("grpo_loss", "bitrl"): 3,
-}
+
+
+def products(N: int, V: int) -> dict:
+    """Products of N x H x V multiply-adds each variant runs: naive torch keeps the logits; bitrl's log-prob +
+    entropy recomputes what it does not keep; its GRPO loss (one pass) forms the gradient in the forward."""
+    kept = min(1.0, KEEP_LOGITS_BYTES["cpu"] / (4 * N * V))
+    return {
+        ("logprob_entropy", "naive"): 3,
+        ("logprob_entropy", "bitrl"): 4 - kept,
+        ("logprob_entropy", "bitrl-recompute"): 4,
+        ("grpo_loss", "naive"): 3,
+        ("grpo_loss", "bitrl"): 3,
+    }
+
+
+def recomputing(x):
+    """bitrl's log-prob + entropy keeping no logits: every tile recomputed in the backward."""
+    h, y = x["h"].reshape(-1, bi.H), x["y"].reshape(-1)
+    lp, ent = fused_logprobs(h, x["w"], y, temperature=bi.TEMPERATURE, impl="torch", keep_logits_bytes=0)
+    (lp.sum() + ent.sum()).backward()
 
 
 def measure(N: int, V: int, reps: int) -> dict:
@@ -43,16 +58,16 @@ def measure(N: int, V: int, reps: int) -> dict:
     w = x["w"].detach()
     logits = torch.empty(N, V)
     runs = {"gemm": lambda: torch.mm(h, w.t(), out=logits)}
-    for op, name in PRODUCTS:
-        fn = bi.variant_fn(op, name)
+    for op, name in products(N, V):
+        fn = recomputing if name == "bitrl-recompute" else bi.variant_fn(op, name)
         runs[f"{op}/{name}"] = lambda fn=fn: fn(x)
     times = bi.interleaved_times(runs, reps, setup=lambda _: bi.reset_grads(x))
     best = {k: min(v) for k, v in times.items()}
     gemm = best.pop("gemm")
     rows = {"gemm_s": gemm, "gemm_gflops": 2 * N * bi.H * V / gemm / 1e9}
-    for (op, name), products in PRODUCTS.items():
+    for (op, name), needed in products(N, V).items():
         t = best[f"{op}/{name}"]
-        rows[f"{op}/{name}"] = {"time_s": t, "in_gemms": t / gemm, "gemms": products}
+        rows[f"{op}/{name}"] = {"time_s": t, "in_gemms": t / gemm, "gemms": needed}
     return rows
 
 
@@ -68,9 +83,10 @@ def main(argv=None) -> int:
         f"one [{N} x {bi.H}] . [{bi.H} x {V}] fp32 product: {result['gemm_s']:.2f} s "
         f"({result['gemm_gflops']:.0f} GFLOP/s)"
     )
-    for (op, name), products in PRODUCTS.items():
+    for op, name in products(N, V):
         r = result[f"{op}/{name}"]
-        print(f"{op:16s} {name:6s} {r['time_s']:6.2f} s = {r['in_gemms']:.2f} products (needs {products})")
+        t, units = r["time_s"], r["in_gemms"]
+        print(f"{op:16s} {name:15s} {t:6.2f} s = {units:.2f} products (needs {r['gemms']:g})")
     old = json.loads(args.json.read_text()) if args.json.exists() else {}
     old[args.shape] = result
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@
 Public API::
 
     fused_logprobs(hidden, weight, targets, *, temperature=1.0, bias=None, ignore_index=-100,
-                   return_entropy=True, impl=None) -> (logprobs [N] fp32, entropy [N] fp32 | None)
+                   return_entropy=True, impl=None, chunk_size=None, keep_logits_bytes=None,
+                   check_finite=True) -> (logprobs [N] fp32, entropy [N] fp32 | None)
     policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type="grpo", ...) -> (loss, metrics)
     fused_linear_policy_loss(hidden, weight, targets, old_logprobs, advantages, mask, ...) -> (loss, metrics)
     FusedLinearGRPOLoss(...)  # drop-in for Liger-Kernel's LigerFusedLinearGRPOLoss

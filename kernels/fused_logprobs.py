@@ -15,6 +15,10 @@ Implementations (``impl=``, or ``BITRL_KERNEL_IMPL``):
   (per-row online log-sum-exp tiled over the vocabulary) and dropped; backward recomputes them and the
   in-place gradient kernel forms dz; matmuls stay on cuBLAS with fp32 accumulation, dW accumulates in fp32.
 
+Both backends recompute each tile's logits in the backward, except those the forward kept: up to
+``keep_logits_bytes`` of them (``KEEP_LOGITS_BYTES``: 512 MiB on CPU, where that saves one product of the
+four, ~25% of the op; nothing on CUDA). Kept or recomputed, they are the same products h W^T.
+
 Numerics: log-sum-exp, entropy and dW accumulate in fp32 (fp64 when the inputs are fp64). On the torch
 backend, bf16 inputs multiply in bf16 where the CPU has bf16 units (fp32 accumulation inside the GEMM, logits
 rounded to bf16 once, as in the unfused bf16 path, then fp32 for everything else; see ``TiledLinearSoftmax``)
