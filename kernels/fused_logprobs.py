@@ -382,9 +382,9 @@ DH_ROWS = 512  # tokens per partial hidden-gradient product of a bf16 tile (its 
 TOKEN_TILE_ROWS = 256
 # Bytes of logits the torch backend keeps from the forward for the backward (``keep_logits_bytes``): a kept
 # column block skips its recomputation, the one product of the four (logits, logits again, dh, dW) that
-# the unfused path does not run. On CPU a product runs at ~120 GFLOP/s, so recomputing N=4096 V=32768
-# H=1024 costs ~2.3 s of the op's ~9 s, while 512 MiB of host memory is cheap; on a GPU that memory holds
-# the model and its activations, and the product is fast, so nothing is kept by default.
+# the unfused path does not run. On a 2-core CPU (~120 GFLOP/s) keeping all of N=4096 V=32768 H=1024
+# took the op from 8.45 to 6.62 s (benchmarks/bench_gemm_floor.py), for 512 MiB of host memory; on a GPU
+# that memory holds the model and its activations, and the product is fast, so nothing is kept by default.
 KEEP_LOGITS_BYTES = {"cpu": 512 * 2**20, "cuda": 0}
 TILE_MIN_VOCAB = 256  # a tile holds every token when that leaves at least this many vocabulary columns
 VOCAB_ALIGN = 64  # vocabulary tiles are multiples of this (below it, any size: the tests use tiny tiles)
