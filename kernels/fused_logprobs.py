@@ -17,7 +17,7 @@ Implementations (``impl=``, or ``BITRL_KERNEL_IMPL``):
 
 Both backends recompute each tile's logits in the backward, except those the forward kept: up to
 ``keep_logits_bytes`` of them (``KEEP_LOGITS_BYTES``: 512 MiB on CPU, where that saves one product of the
-four, ~25% of the op; nothing on CUDA). Kept or recomputed, they are the same products h W^T.
+four, ~20% of the op's time; nothing on CUDA). Kept or recomputed, they are the same products h W^T.
 
 Numerics: log-sum-exp, entropy and dW accumulate in fp32 (fp64 when the inputs are fp64). On the torch
 backend, bf16 inputs multiply in bf16 where the CPU has bf16 units (fp32 accumulation inside the GEMM, logits
@@ -983,7 +983,8 @@ def check_linear_outputs(outputs, hidden, weight, bias) -> None:
 
 
 class FusedLogprobsFunction(torch.autograd.Function):
-    """Chunked hidden->log-prob/entropy with recomputation in backward. Returns (lp [N], entropy [N])."""
+    """Chunked hidden->log-prob/entropy; the backward recomputes the logits the forward did not keep.
+    Returns (lp [N], entropy [N])."""
 
     @staticmethod
     def forward(
