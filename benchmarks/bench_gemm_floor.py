@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_integrations as bi  # noqa: E402
 
-from bitrl.benchmarks.stats import machine  # noqa: E402
+from bitrl.benchmarks.stats import interleaved_times, machine  # noqa: E402
 from bitrl.kernels import fused_logprobs  # noqa: E402
 from bitrl.kernels.fused_logprobs import KEEP_LOGITS_BYTES  # noqa: E402
 
@@ -61,7 +61,7 @@ def measure(N: int, V: int, reps: int) -> dict:
     for op, name in products(N, V):
         fn = recomputing if name == "bitrl-recompute" else bi.variant_fn(op, name)
         runs[f"{op}/{name}"] = lambda fn=fn: fn(x)
-    times = bi.interleaved_times(runs, reps, setup=lambda _: bi.reset_grads(x))
+    times = interleaved_times(runs, reps, setup=lambda _: bi.reset_grads(x))
     best = {k: min(v) for k, v in times.items()}
     gemm = best.pop("gemm")
     rows = {"gemm_s": gemm, "gemm_gflops": 2 * N * bi.H * V / gemm / 1e9}

@@ -29,12 +29,11 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from bitrl.benchmarks.stats import machine
+from bitrl.benchmarks.stats import interleaved_times, machine, rss_growth_mib
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_integrations.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -154,40 +153,6 @@ def planned_gb(op: str, name: str, N: int, V: int, dtype: str) -> float:
 def limit_memory(cap_gb: float):
     cap = int(cap_gb * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def interleaved_times(runs: dict, reps: int, setup=None) -> dict[str, list[float]]:
-    """Each callable of ``runs`` timed round-robin (machine noise hits them alike): one warm-up round, then
-    ``reps`` timed rounds. ``setup(name)``, when given, runs untimed before each call."""
-    times = {name: [] for name in runs}
-    for rep in range(reps + 1):  # the first round is a warm-up
-        for name, run in runs.items():
-            if setup is not None:
-                setup(name)
-            t0 = time.perf_counter()
-            run()
-            if rep:
-                times[name].append(time.perf_counter() - t0)
-    return times
-
-
-def rss_growth_mib(call) -> tuple[float, float]:
-    """(peak RSS growth in MiB, seconds) of one ``call()``; VmHWM is reset to the current RSS first."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = _status_kib("VmRSS")
-    t0 = time.perf_counter()
-    call()
-    seconds = time.perf_counter() - t0
-    return (_status_kib("VmHWM") - base) / 1024.0, seconds
 
 
 def child(spec: dict) -> dict:
@@ -336,11 +301,7 @@ def trainer_child(spec: dict) -> dict:
             from bitrl.integrations.trl import use_bitrl
 
             use_bitrl(trainer)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _status_kib("VmRSS")
-        trainer.train()
-        peak = (_status_kib("VmHWM") - base) / 1024.0
+        peak, _ = rss_growth_mib(trainer.train)
     steps = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
     return {
         "step_time_s": statistics.median(steps[1:] or steps),

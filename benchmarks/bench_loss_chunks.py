@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_integrations as bi  # noqa: E402
 
-from bitrl.benchmarks.stats import machine  # noqa: E402
+from bitrl.benchmarks.stats import interleaved_times, machine, rss_growth_mib  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_loss_chunks.json"
 CONFIGS = {"one-pass32": 32, "one-pass16": 16, "one-pass8": 8, "tiles": None}
@@ -56,7 +56,7 @@ def peak_memory_child(N: int, V: int, name: str) -> float:
     fn = bi.variant_fn("grpo_loss", "bitrl")
     fn(bi.make_inputs(64, 512, torch.float32))
     x = bi.make_inputs(N, V, torch.float32)
-    return bi.rss_growth_mib(lambda: fn(x))[0]
+    return rss_growth_mib(lambda: fn(x))[0]
 
 
 def main(argv=None) -> int:
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         memory[name] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     fn = bi.variant_fn("grpo_loss", "bitrl")
     x = bi.make_inputs(N, V, torch.float32)
-    times = bi.interleaved_times(
+    times = interleaved_times(
         {name: (lambda: fn(x)) for name in CONFIGS},
         args.reps,
         setup=lambda name: (configure(name), bi.reset_grads(x)),

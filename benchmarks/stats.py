@@ -1,8 +1,10 @@
-"""Small statistics shared by the benchmarks: a mean with its 95% confidence interval over seeds."""
+"""What the benchmarks share: a mean with its 95% confidence interval over seeds, the machine a figure was
+measured on, interleaved timing and peak-memory measurement."""
 
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 
 # two-sided 95% Student t quantiles by degrees of freedom (2.0 stands in above 15: within 0.13 of the truth)
@@ -44,3 +46,41 @@ def machine() -> dict:
         avx512=("avx512f" in flags),
         torch=torch.__version__,
     )
+
+
+def interleaved_times(runs: dict, reps: int, setup=None, sync=None) -> dict[str, list[float]]:
+    """Each callable of ``runs`` timed round-robin (machine noise hits them alike): one warm-up round, then
+    ``reps`` timed rounds. ``setup(name)``, when given, runs untimed before each call; ``sync()`` (a device
+    synchronisation) after each call, before the clock is read."""
+    times = {name: [] for name in runs}
+    for rep in range(reps + 1):  # the first round is a warm-up
+        for name, run in runs.items():
+            if setup is not None:
+                setup(name)
+            t0 = time.perf_counter()
+            run()
+            if sync is not None:
+                sync()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def rss_growth_mib(call) -> tuple[float, float]:
+    """(peak RSS growth in MiB, seconds) of one ``call()`` (Linux). torch's CPU allocator keeps no peak of its
+    own, so the process's peak resident set (VmHWM) is reset to the current one first, then read."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_kib("VmRSS")
+    t0 = time.perf_counter()
+    call()
+    seconds = time.perf_counter() - t0
+    return (_status_kib("VmHWM") - base) / 1024.0, seconds

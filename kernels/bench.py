@@ -29,8 +29,11 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 
 import torch
+
+from bitrl.benchmarks.stats import interleaved_times, rss_growth_mib
 
 CPU_TARGET = dict(N=8192, H=1024, V=32768, B=16)
 CPU_QUICK = dict(N=1024, H=256, V=4096, B=8)
@@ -140,33 +143,12 @@ def variants(op: str, impl: str | None = None, peers: bool = True) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_round_robin(fns: dict, x: dict, reps: int, warmup: int = 1, device: str = "cpu") -> dict:
-    """Median seconds per call, variants interleaved so that machine noise affects all of them alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn(x)
-    _sync(device)
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn(x)
-            _sync(device)
-            times[k].append(time.perf_counter() - t0)
+def time_round_robin(fns: dict, x: dict, reps: int, device: str = "cpu") -> dict:
+    """Median seconds per call of each fn(x), the variants interleaved so that machine noise affects all of
+    them alike (one warm-up round first)."""
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    times = interleaved_times({k: partial(fn, x) for k, fn in fns.items()}, reps, sync=sync)
     return {k: statistics.median(v) for k, v in times.items()}
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def measure_peak_rss_here(op: str, name: str, shape: dict, dtype: str) -> float:
@@ -175,11 +157,7 @@ def measure_peak_rss_here(op: str, name: str, shape: dict, dtype: str) -> float:
     x["h"].requires_grad_(True)
     x["w"].requires_grad_(True)
     fn = variants(op)[name]
-    with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
-        f.write("5")
-    base = _status_kib("VmRSS")
-    fn(x)
-    return (_status_kib("VmHWM") - base) / 1024.0
+    return rss_growth_mib(lambda: fn(x))[0]
 
 
 def peak_rss_subprocess(op: str, name: str, shape: dict, dtype: str) -> float | None:
