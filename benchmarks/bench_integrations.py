@@ -147,7 +147,8 @@ def planned_gb(op: str, name: str, N: int, V: int, dtype: str) -> float:
         return min(N, 4096) * min(V, 32768) * 4 / 2**30 * 6
     if name == "liger":  # chunks of one sequence (N / 16 tokens): a few [T, V] fp32 tensors at a time
         return (N // 16) * V * 4 / 2**30 * 4
-    return 0.5  # bitrl: <= 128 MiB fp32 tiles (two with entropy)
+    # bitrl: <= 128 MiB fp32 tiles (two with entropy), and the log-prob op's kept logits (512 MiB on CPU)
+    return 0.5 + (0.5 if op == "logprob_entropy" else 0.0)
 
 
 def limit_memory(cap_gb: float):
