@@ -16,7 +16,6 @@ Results: benchmarks/results/bench_gemm_floor.json (merged by shape).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_integrations as bi  # noqa: E402
 
-from bitrl.benchmarks.stats import interleaved_times, machine  # noqa: E402
+from bitrl.benchmarks.stats import interleaved_times, machine, merge_json  # noqa: E402
 from bitrl.kernels import fused_logprobs  # noqa: E402
 from bitrl.kernels.fused_logprobs import KEEP_LOGITS_BYTES  # noqa: E402
 
@@ -87,10 +86,7 @@ def main(argv=None) -> int:
         r = result[f"{op}/{name}"]
         t, units = r["time_s"], r["in_gemms"]
         print(f"{op:16s} {name:15s} {t:6.2f} s = {units:.2f} products (needs {r['gemms']:g})")
-    old = json.loads(args.json.read_text()) if args.json.exists() else {}
-    old[args.shape] = result
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(old, indent=1) + "\n")
+    merge_json(args.json, args.shape, result)
     return 0
 
 

@@ -13,7 +13,6 @@ Results: benchmarks/results/bench_keep_logits.json (merged by shape).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_integrations as bi  # noqa: E402
 
-from bitrl.benchmarks.stats import interleaved_times, machine  # noqa: E402
+from bitrl.benchmarks.stats import interleaved_times, machine, merge_json  # noqa: E402
 from bitrl.kernels import fused_logprobs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_keep_logits.json"
@@ -86,10 +85,7 @@ def main(argv=None) -> int:
         }
         print(f"{name:32s} {rows[name]['time_s']:6.2f} s  {rows[name]['vs_naive']:.2f}x naive")
     result = dict(N=N, V=V, H=bi.H, reps=args.reps, logits_mib=logits_mib, cpu=machine()["cpu"], rows=rows)
-    old = json.loads(args.json.read_text()) if args.json.exists() else {}
-    old[args.shape] = result
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(old, indent=1) + "\n")
+    merge_json(args.json, args.shape, result)
     return 0
 
 

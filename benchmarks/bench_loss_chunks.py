@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_integrations as bi  # noqa: E402
 
-from bitrl.benchmarks.stats import interleaved_times, machine, rss_growth_mib  # noqa: E402
+from bitrl.benchmarks.stats import interleaved_times, machine, merge_json, rss_growth_mib  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_loss_chunks.json"
 CONFIGS = {"one-pass32": 32, "one-pass16": 16, "one-pass8": 8, "tiles": None}
@@ -91,9 +91,7 @@ def main(argv=None) -> int:
         print(f"{name:>10}: {t:6.1f} s ({t / one_pass:.2f}x), {memory[name]:.0f} MiB")
     floor = (V + N) * bi.H * 4 / 2**20  # the fp32 weight and hidden gradients themselves
     print(f"floor (dW + dh): {floor:.0f} MiB")
-    results = json.loads(args.json.read_text()) if args.json.exists() else {}
-    results[args.shape] = dict(machine=machine(), reps=args.reps, floor_mib=floor, rows=rows)
-    args.json.write_text(json.dumps(results, indent=1))
+    merge_json(args.json, args.shape, dict(machine=machine(), reps=args.reps, floor_mib=floor, rows=rows))
     return 0
 
 

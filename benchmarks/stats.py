@@ -3,6 +3,7 @@ measured on, interleaved timing and peak-memory measurement."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from pathlib import Path
@@ -84,3 +85,12 @@ def rss_growth_mib(call) -> tuple[float, float]:
     call()
     seconds = time.perf_counter() - t0
     return (_status_kib("VmHWM") - base) / 1024.0, seconds
+
+
+def merge_json(path: Path, key: str, value) -> None:
+    """Write ``value`` under ``key`` in the JSON object at ``path``, keeping its other keys (results merged
+    by shape, one run at a time)."""
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
