@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_integrations as bi  # noqa: E402
+import bench_keep_logits  # noqa: E402
 
 from bitrl.benchmarks.stats import interleaved_times, machine, merge_json  # noqa: E402
-from bitrl.kernels import fused_logprobs  # noqa: E402
 from bitrl.kernels.fused_logprobs import KEEP_LOGITS_BYTES  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_gemm_floor.json"
@@ -44,13 +44,6 @@ def products(N: int, V: int) -> dict:
     }
 
 
-def recomputing(x):
-    """bitrl's log-prob + entropy keeping no logits: every tile recomputed in the backward."""
-    h, y = x["h"].reshape(-1, bi.H), x["y"].reshape(-1)
-    lp, ent = fused_logprobs(h, x["w"], y, temperature=bi.TEMPERATURE, impl="torch", keep_logits_bytes=0)
-    (lp.sum() + ent.sum()).backward()
-
-
 def measure(N: int, V: int, reps: int) -> dict:
     x = bi.make_inputs(N, V, torch.float32)
     h = x["h"].detach().reshape(N, -1)
@@ -58,8 +51,11 @@ def measure(N: int, V: int, reps: int) -> dict:
     logits = torch.empty(N, V)
     runs = {"gemm": lambda: torch.mm(h, w.t(), out=logits)}
     for op, name in products(N, V):
-        fn = recomputing if name == "bitrl-recompute" else bi.variant_fn(op, name)
-        runs[f"{op}/{name}"] = lambda fn=fn: fn(x)
+        if name == "bitrl-recompute":  # keeping no logits: every tile recomputed in the backward
+            runs[f"{op}/{name}"] = bench_keep_logits.bitrl(x, keep_bytes=0, entropy=True)
+        else:
+            fn = bi.variant_fn(op, name)
+            runs[f"{op}/{name}"] = lambda fn=fn: fn(x)
     times = interleaved_times(runs, reps, setup=lambda _: bi.reset_grads(x))
     best = {k: min(v) for k, v in times.items()}
     gemm = best.pop("gemm")

@@ -403,11 +403,6 @@ def tile_shape(n: int, V: int, chunk: int, elem_bytes: int, budget: int) -> tupl
     return c, (vb // VOCAB_ALIGN * VOCAB_ALIGN if vb >= VOCAB_ALIGN else vb)
 
 
-def kept_columns(n: int, V: int, elem_bytes: int, budget: int) -> int:
-    """Vocabulary columns [0, k) of all ``n`` tokens' logits that fit in ``budget`` bytes."""
-    return min(V, budget // max(1, n * elem_bytes))
-
-
 class TiledLinearSoftmax:
     """The torch backend of ``fused_logprobs`` and ``fused_linear_policy_loss``.
 
@@ -1000,8 +995,9 @@ class FusedLogprobsFunction(torch.autograd.Function):
         ent = torch.zeros(N if need_ent else 0, dtype=acc, device=hidden.device)
         stats = ()
         if backend == "torch":
+            # vocabulary columns [0, k) of every active token
             mm = tile_matmul_dtype(hidden)
-            k = kept_columns(n, weight.shape[0], torch.finfo(mm).bits // 8, keep_bytes)
+            k = min(weight.shape[0], keep_bytes // max(1, n * torch.finfo(mm).bits // 8))
             kept = torch.empty(n, k, dtype=mm, device=hidden.device) if k else None
             eng = TiledLinearSoftmax(
                 hidden,
@@ -1022,7 +1018,7 @@ class FusedLogprobsFunction(torch.autograd.Function):
             lp[rows] = lp_a
             if need_ent:
                 ent[rows] = ent_a
-            stats = (lse, gap, kept)  # the backward pass needs no forward recomputation
+            stats = (lse, gap)  # the backward pass needs no forward recomputation
         else:
             # whole chunks of rows: each one is either kept or recomputed
             row_bytes = weight.shape[0] * torch.finfo(acc).bits // 8
@@ -1043,7 +1039,6 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 kept=kept,
                 fill=True,
             )
-            stats = (None, None, kept)
             for s in range(0, n, chunk):
                 e = min(n, s + chunk)
                 lp_c, ent_c, _, _ = eng.forward(s, e)
@@ -1052,14 +1047,14 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 if need_ent:
                     ent[rows] = ent_c
         del eng
-        ctx.save_for_backward(hidden, weight, bias, y, valid, inv_t, index, *stats)
+        ctx.save_for_backward(hidden, weight, bias, y, valid, inv_t, index, kept, *stats)
         ctx.cfg = (chunk, backend, unit_t)
         ctx.set_materialize_grads(False)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, bias, y, valid, inv_t, index, *stats = ctx.saved_tensors
+        hidden, weight, bias, y, valid, inv_t, index, kept, *stats = ctx.saved_tensors
         chunk, backend, unit_t = ctx.cfg
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if g_ent is not None and g_ent.numel() == 0:
@@ -1085,10 +1080,10 @@ class FusedLogprobsFunction(torch.autograd.Function):
                 unit_temperature=unit_t,
                 op="logprobs",
                 index=index,
-                kept=stats[2],
+                kept=kept,
             )
             sel = (lambda x: x) if index is None else (lambda x: x[index])
-            lse, gap, _ = stats
+            lse, gap = stats
             dh, dw, db = eng.grad(
                 sel(g_lp),
                 None if g_ent is None else sel(g_ent),
@@ -1115,7 +1110,7 @@ class FusedLogprobsFunction(torch.autograd.Function):
             need_ent=g_ent is not None,
             unit_temperature=unit_t,
             index=index,
-            kept=stats[2],
+            kept=kept,
         )
         n = N if index is None else index.numel()
         dh = None
