@@ -10,16 +10,26 @@ product: what is left beyond the products is the rest of the op (softmax, loss, 
 
     python benchmarks/bench_gemm_floor.py --shape 4096x32768
 
-Results: benchmarks/results/bench_gemm_floor.json (merged by shape).
+``--bf16`` measures the bf16 path of a CPU with bf16 units (bf16 GEMMs) on any CPU: for each variant, the
+multiply-adds its products run (counted, in units of N x H x V) and its time outside them. Where torch
+emulates bf16 GEMMs their time is not the real one, but the rest is; a bf16 product of time G then predicts
+each variant's time as products x G + rest, and so its ratio to naive torch for any G.
+
+    python benchmarks/bench_gemm_floor.py --bf16 --shape 1024x32768
+
+Results: benchmarks/results/bench_gemm_floor.json (merged by shape; the --bf16 split under "bf16/<shape>").
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_integrations as bi  # noqa: E402
@@ -66,13 +76,96 @@ def measure(N: int, V: int, reps: int) -> dict:
     return rows
 
 
+class GemmMeter(TorchDispatchMode):
+    """The multiply-adds of the matrix products run inside the context, and the seconds spent in them.
+
+    bf16 products run as fp32 products of the same operands, rounded once to bf16: the sums a bf16 GEMM
+    forms (fp32 accumulation, one rounding), at fp32 speed where torch would emulate bf16 GEMMs. Only their
+    count is used, never their time, so what runs between them is measured as it would run beside bf16
+    units."""
+
+    PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_}
+
+    def __init__(self):
+        super().__init__()
+        self.madds = 0
+        self.seconds = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket not in self.PRODUCTS:
+            return func(*args, **kwargs)
+        start = time.perf_counter()
+        a, b = args[-2:]
+        self.madds += a.numel() * b.shape[-1]
+        if a.dtype != torch.bfloat16:
+            out = func(*args, **kwargs)
+        else:
+            up = [x.float() for x in args]
+            scale = {k: v for k, v in kwargs.items() if k in ("alpha", "beta")}
+            product = torch.mm(*up) if func.overloadpacket == torch.ops.aten.mm else torch.addmm(*up, **scale)
+            dest = kwargs.get("out", args[0] if func.overloadpacket == torch.ops.aten.addmm_ else None)
+            out = product.to(a.dtype) if dest is None else dest.copy_(product)
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+def bf16_split(N: int, V: int) -> dict:
+    """Per variant: products run (multiply-adds / N H V) and seconds outside them, bf16 inputs multiplied in
+    bf16 as on a CPU with bf16 units (each variant warmed up once at a tiny size, then run once)."""
+    fl = importlib.import_module("bitrl.kernels.fused_logprobs")  # the module, not the function
+    native, fl.CPU_BF16_MATMUL = fl.CPU_BF16_MATMUL, torch.bfloat16
+    rows = {}
+    try:
+        for op in ("grpo_loss", "logprob_entropy"):
+            for name in ("bitrl", "naive"):
+                fn = bi.variant_fn(op, name)
+                with GemmMeter():  # the first call under a dispatch mode pays its setup (~1 s)
+                    fn(bi.make_inputs(64, 256, torch.bfloat16))
+                x = bi.make_inputs(N, V, torch.bfloat16)
+                meter = GemmMeter()
+                start = time.perf_counter()
+                with meter:
+                    fn(x)
+                total = time.perf_counter() - start
+                products = meter.madds / (N * bi.H * V)
+                rows[f"{op}/{name}"] = {"products": products, "rest_s": total - meter.seconds}
+    finally:
+        fl.CPU_BF16_MATMUL = native
+    # one fp32 product of the same shape, the anchor for bf16 ones (bf16 units run them 2-16x faster)
+    h, w = torch.randn(N, bi.H), torch.randn(V, bi.H)
+    torch.mm(h[:64], w.t())
+    start = time.perf_counter()
+    torch.mm(h, w.t())
+    rows["fp32_product_s"] = fp32 = time.perf_counter() - start
+    for op in ("grpo_loss", "logprob_entropy"):
+        b, n = rows[f"{op}/bitrl"], rows[f"{op}/naive"]
+        rows[f"{op}/ratio_at"] = {
+            f"fp32/{k}": (b["products"] * fp32 / k + b["rest_s"]) / (n["products"] * fp32 / k + n["rest_s"])
+            for k in (1, 2, 4, 8, 16)
+        }
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="4096x32768", help="NxV (H = 1024)")
     p.add_argument("--reps", type=int, default=2, help="timed rounds after a warm-up round (minimum taken)")
     p.add_argument("--json", type=Path, default=RESULTS)
+    p.add_argument("--bf16", action="store_true", help="the bf16-GEMM split (see the module docstring)")
     args = p.parse_args(argv)
     N, V = (int(v) for v in args.shape.split("x"))
+    if args.bf16:
+        rows = bf16_split(N, V)
+        print(f"one fp32 product: {rows['fp32_product_s']:.2f} s")
+        for op in ("grpo_loss", "logprob_entropy"):
+            for name in ("bitrl", "naive"):
+                r = rows[f"{op}/{name}"]
+                print(f"{op:16s} {name:6s} {r['products']:.2f} products, {r['rest_s']:.2f} s outside them")
+            ratios = ", ".join(f"{k}: {v:.2f}x" for k, v in rows[f"{op}/ratio_at"].items())
+            print(f"{op:16s} bitrl / naive torch at a bf16 product time of {ratios}")
+        merge_json(args.json, f"bf16/{args.shape}", dict(N=N, V=V, H=bi.H, cpu=machine()["cpu"], **rows))
+        return 0
     result = dict(N=N, V=V, H=bi.H, reps=args.reps, cpu=machine()["cpu"], **measure(N, V, args.reps))
     print(
         f"one [{N} x {bi.H}] . [{bi.H} x {V}] fp32 product: {result['gemm_s']:.2f} s "

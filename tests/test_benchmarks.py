@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import TINY_DEMO_MODEL
 
 from bitrl.benchmarks import bench_reuse
@@ -74,3 +75,42 @@ def test_bench_decode_runs_on_a_tiny_model(tmp_path):
     full, nvfp4 = result["results"]
     assert full["precision"] == "full" and full["step_ms"] > 0 and full["fraction_of_bandwidth"] > 0
     assert nvfp4["weight_mib"] < 0.5 * full["weight_mib"]  # packed 4-bit weights (the tied head stays bf16)
+
+
+def test_gemm_meter_counts_products_and_rounds_bf16_once():
+    """The bf16 stand-in: fp32 sums of the bf16 operands, rounded once; every product form counted."""
+    from bitrl.benchmarks.bench_gemm_floor import GemmMeter
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(s, generator=g).bfloat16() for s in ((5, 7), (7, 3)))
+    out, acc = torch.empty(5, 3, dtype=torch.bfloat16), torch.zeros(5, 3)
+    meter = GemmMeter()
+    with meter:
+        c = a @ b
+        torch.mm(a, b, out=out)
+        acc.addmm_(a.float(), b.float())
+    want = a.float() @ b.float()
+    assert c.dtype == torch.bfloat16 and torch.equal(c, want.bfloat16()) and torch.equal(out, c)
+    assert torch.equal(acc, want)
+    assert meter.madds == 3 * 5 * 7 * 3
+
+
+def test_bench_gemm_floor_bf16_split(tmp_path):
+    """At a tiny size: naive torch runs 3 products; bitrl's GRPO tiles 4 over the 7/8 of tokens that are not
+    padding; its log-prob + entropy keeps every logit, so 3."""
+    from bitrl.benchmarks import bench_gemm_floor
+
+    out = tmp_path / "floor.json"
+    assert bench_gemm_floor.main(["--bf16", "--shape", "64x1024", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["bf16/64x1024"]
+    products = {k: v["products"] for k, v in rows.items() if isinstance(v, dict) and "products" in v}
+    assert products == pytest.approx(
+        {
+            "grpo_loss/bitrl": 3.5,
+            "grpo_loss/naive": 3.0,
+            "logprob_entropy/bitrl": 3.0,
+            "logprob_entropy/naive": 3.0,
+        }
+    )
+    assert all(v["rest_s"] > 0 for k, v in rows.items() if k in products)
+    assert set(rows["grpo_loss/ratio_at"]) == {"fp32/1", "fp32/2", "fp32/4", "fp32/8", "fp32/16"}
