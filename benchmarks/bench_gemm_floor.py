@@ -39,6 +39,7 @@ from bitrl.benchmarks.stats import interleaved_times, machine, merge_json  # noq
 from bitrl.kernels.fused_logprobs import KEEP_LOGITS_BYTES  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_gemm_floor.json"
+OPS = ("grpo_loss", "logprob_entropy")
 
 
 def products(N: int, V: int) -> dict:
@@ -110,35 +111,35 @@ class GemmMeter(TorchDispatchMode):
         return out
 
 
-def bf16_split(N: int, V: int) -> dict:
-    """Per variant: products run (multiply-adds / N H V) and seconds outside them, bf16 inputs multiplied in
-    bf16 as on a CPU with bf16 units (each variant warmed up once at a tiny size, then run once)."""
+def bf16_split(N: int, V: int, reps: int) -> dict:
+    """Per variant: products run (multiply-adds / N H V) and seconds outside them (the least of ``reps``
+    rounds, the variants interleaved), bf16 inputs multiplied in bf16 as on a CPU with bf16 units."""
     fl = importlib.import_module("bitrl.kernels.fused_logprobs")  # the module, not the function
     native, fl.CPU_BF16_MATMUL = fl.CPU_BF16_MATMUL, torch.bfloat16
+    variants = {f"{op}/{name}": bi.variant_fn(op, name) for op in OPS for name in ("bitrl", "naive")}
+    inputs = bi.make_inputs(N, V, torch.bfloat16)
     rows = {}
     try:
-        for op in ("grpo_loss", "logprob_entropy"):
-            for name in ("bitrl", "naive"):
-                fn = bi.variant_fn(op, name)
-                with GemmMeter():  # the first call under a dispatch mode pays its setup (~1 s)
-                    fn(bi.make_inputs(64, 256, torch.bfloat16))
-                x = bi.make_inputs(N, V, torch.bfloat16)
+        for fn in variants.values():
+            with GemmMeter():  # the first call under a dispatch mode pays its setup (~1 s)
+                fn(bi.make_inputs(64, 256, torch.bfloat16))
+        for _ in range(max(1, reps)):
+            for key, fn in variants.items():
+                bi.reset_grads(inputs)
                 meter = GemmMeter()
                 start = time.perf_counter()
                 with meter:
-                    fn(x)
-                total = time.perf_counter() - start
+                    fn(inputs)
+                rest = time.perf_counter() - start - meter.seconds
                 products = meter.madds / (N * bi.H * V)
-                rows[f"{op}/{name}"] = {"products": products, "rest_s": total - meter.seconds}
+                rows[key] = {"products": products, "rest_s": min(rest, rows.get(key, {}).get("rest_s", rest))}
     finally:
         fl.CPU_BF16_MATMUL = native
     # one fp32 product of the same shape, the anchor for bf16 ones (bf16 units run them 2-16x faster)
     h, w = torch.randn(N, bi.H), torch.randn(V, bi.H)
-    torch.mm(h[:64], w.t())
-    start = time.perf_counter()
-    torch.mm(h, w.t())
-    rows["fp32_product_s"] = fp32 = time.perf_counter() - start
-    for op in ("grpo_loss", "logprob_entropy"):
+    times = interleaved_times({"mm": lambda: torch.mm(h, w.t())}, max(1, reps))
+    rows["fp32_product_s"] = fp32 = min(times["mm"])
+    for op in OPS:
         b, n = rows[f"{op}/bitrl"], rows[f"{op}/naive"]
         rows[f"{op}/ratio_at"] = {
             f"fp32/{k}": (b["products"] * fp32 / k + b["rest_s"]) / (n["products"] * fp32 / k + n["rest_s"])
@@ -156,15 +157,19 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     N, V = (int(v) for v in args.shape.split("x"))
     if args.bf16:
-        rows = bf16_split(N, V)
+        rows = bf16_split(N, V, args.reps)
         print(f"one fp32 product: {rows['fp32_product_s']:.2f} s")
-        for op in ("grpo_loss", "logprob_entropy"):
+        for op in OPS:
             for name in ("bitrl", "naive"):
                 r = rows[f"{op}/{name}"]
                 print(f"{op:16s} {name:6s} {r['products']:.2f} products, {r['rest_s']:.2f} s outside them")
             ratios = ", ".join(f"{k}: {v:.2f}x" for k, v in rows[f"{op}/ratio_at"].items())
             print(f"{op:16s} bitrl / naive torch at a bf16 product time of {ratios}")
-        merge_json(args.json, f"bf16/{args.shape}", dict(N=N, V=V, H=bi.H, cpu=machine()["cpu"], **rows))
+        merge_json(
+            args.json,
+            f"bf16/{args.shape}",
+            dict(N=N, V=V, H=bi.H, reps=args.reps, cpu=machine()["cpu"], **rows),
+        )
         return 0
     result = dict(N=N, V=V, H=bi.H, reps=args.reps, cpu=machine()["cpu"], **measure(N, V, args.reps))
     print(
