@@ -40,6 +40,7 @@ from bitrl.kernels.fused_logprobs import KEEP_LOGITS_BYTES  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_gemm_floor.json"
 OPS = ("grpo_loss", "logprob_entropy")
+NAMES = ("bitrl", "naive")  # the --bf16 split's variants
 
 
 def products(N: int, V: int) -> dict:
@@ -113,32 +114,34 @@ class GemmMeter(TorchDispatchMode):
 
 def bf16_split(N: int, V: int, reps: int) -> dict:
     """Per variant: products run (multiply-adds / N H V) and seconds outside them (the least of ``reps``
-    rounds, the variants interleaved), bf16 inputs multiplied in bf16 as on a CPU with bf16 units."""
+    rounds after a warm-up one, the variants and one fp32 product interleaved), bf16 inputs multiplied in
+    bf16 as on a CPU with bf16 units."""
     fl = importlib.import_module("bitrl.kernels.fused_logprobs")  # the module, not the function
     native, fl.CPU_BF16_MATMUL = fl.CPU_BF16_MATMUL, torch.bfloat16
-    variants = {f"{op}/{name}": bi.variant_fn(op, name) for op in OPS for name in ("bitrl", "naive")}
     inputs = bi.make_inputs(N, V, torch.bfloat16)
-    rows = {}
-    try:
-        for fn in variants.values():
-            with GemmMeter():  # the first call under a dispatch mode pays its setup (~1 s)
-                fn(bi.make_inputs(64, 256, torch.bfloat16))
-        for _ in range(max(1, reps)):
-            for key, fn in variants.items():
-                bi.reset_grads(inputs)
-                meter = GemmMeter()
-                start = time.perf_counter()
-                with meter:
-                    fn(inputs)
-                rest = time.perf_counter() - start - meter.seconds
-                products = meter.madds / (N * bi.H * V)
-                rows[key] = {"products": products, "rest_s": min(rest, rows.get(key, {}).get("rest_s", rest))}
-    finally:
-        fl.CPU_BF16_MATMUL = native
+    madds, rests = {}, {}
+
+    def metered(key, fn):
+        def run():
+            meter = GemmMeter()
+            start = time.perf_counter()
+            with meter:
+                fn(inputs)
+            rests.setdefault(key, []).append(time.perf_counter() - start - meter.seconds)
+            madds[key] = meter.madds
+
+        return run
+
+    runs = {f"{op}/{name}": metered(f"{op}/{name}", bi.variant_fn(op, name)) for op in OPS for name in NAMES}
     # one fp32 product of the same shape, the anchor for bf16 ones (bf16 units run them 2-16x faster)
     h, w = torch.randn(N, bi.H), torch.randn(V, bi.H)
-    times = interleaved_times({"mm": lambda: torch.mm(h, w.t())}, max(1, reps))
-    rows["fp32_product_s"] = fp32 = min(times["mm"])
+    runs["fp32 product"] = lambda: torch.mm(h, w.t())
+    try:
+        times = interleaved_times(runs, max(1, reps), setup=lambda _: bi.reset_grads(inputs))
+    finally:
+        fl.CPU_BF16_MATMUL = native
+    rows = {key: {"products": madds[key] / (N * bi.H * V), "rest_s": min(r[1:])} for key, r in rests.items()}
+    rows["fp32_product_s"] = fp32 = min(times["fp32 product"])
     for op in OPS:
         b, n = rows[f"{op}/bitrl"], rows[f"{op}/naive"]
         rows[f"{op}/ratio_at"] = {
@@ -160,7 +163,7 @@ def main(argv=None) -> int:
         rows = bf16_split(N, V, args.reps)
         print(f"one fp32 product: {rows['fp32_product_s']:.2f} s")
         for op in OPS:
-            for name in ("bitrl", "naive"):
+            for name in NAMES:
                 r = rows[f"{op}/{name}"]
                 print(f"{op:16s} {name:6s} {r['products']:.2f} products, {r['rest_s']:.2f} s outside them")
             ratios = ", ".join(f"{k}: {v:.2f}x" for k, v in rows[f"{op}/ratio_at"].items())
