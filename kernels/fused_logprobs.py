@@ -171,6 +171,17 @@ def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 
 # -inf logits are clamped to this value: exp() of it is exactly 0, and products with any gradient stay finite
 NEG_LOGIT = -1.0e30
+LOG2E = 1.4426950408889634
+
+
+def exp_(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """exp(x) into ``out`` (default: in place), computed as 2^(x log2 e).
+
+    On CPU torch's fp32 exp2 runs ~1.8x faster than its exp (2-core AVX2: 3.1 against 5.6 ms for a
+    [3584, 1536] tile), enough to pay for the extra multiply pass. The rounding of x log2 e adds a relative
+    error of at most |x| 2^-24 to the result: the tiles exponentiate x = z - max <= 0, where p = e^x is
+    negligible long before that matters (e^x |x| 2^-24 <= 2.2e-8)."""
+    return torch.mul(x, LOG2E, out=x if out is None else out).exp2_()
 
 
 def _bmm_rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -286,14 +297,13 @@ class ChunkEngine:
         m = m.squeeze(-1)
         if need_ent and self.ebuf is not None:
             ebuf = self.ebuf[: e - s]
-            torch.exp(z, out=ebuf)
+            exp_(z, out=ebuf)
             sum_e = ebuf.sum(-1)
             pzm = _bmm_rowdot(ebuf, z) / sum_e  # E_p[z - m]
             ent = torch.log(sum_e) - pzm
             self._state = ("ent", z, ebuf, sum_e, pzm)
         else:
-            z.exp_()
-            sum_e = z.sum(-1)
+            sum_e = exp_(z).sum(-1)
             pzm = torch.zeros_like(sum_e)
             ent = None
             self._state = ("noent", z, sum_e)
@@ -542,8 +552,8 @@ class TiledLinearSoftmax:
 
     def _logits(self, h, wb, v0, v1, k0, k1, shift=None, fill=False):
         """fp32 (fp64) logits of tokens [k0, k1) and vocabulary [v0, v1), scaled by 1/T, clamped, minus the
-        per-token shift when given: ``shift`` [2, c] = (large, small), subtracted one after the other (the
-        row max first: z - max is exact near the max, where p is not negligible)."""
+        per-token shifts when given: ``shift`` [k, c], its rows subtracted one after the other (the row max
+        first: z - max is exact near the max, where p is not negligible)."""
         c, w = k1 - k0, v1 - v0
         z = self.zbuf[: c * w].view(c, w)
         src = z if self.lowbuf is None else self.lowbuf[: c * w].view(c, w)
@@ -560,8 +570,8 @@ class TiledLinearSoftmax:
             z.mul_(self.inv_t[k0:k1].unsqueeze(-1))
         if self.clamp:
             z.clamp_(min=NEG_LOGIT)
-        if shift is not None:
-            z.sub_(shift[0].unsqueeze(-1)).sub_(shift[1].unsqueeze(-1))
+        for row in () if shift is None else shift:
+            z.sub_(row.unsqueeze(-1))
         return z
 
     def _low_logits(self, h, wb, k0, k1, v0, v1):
@@ -606,12 +616,12 @@ class TiledLinearSoftmax:
             s_old = s[k0:k1]
             if self.need_ent:
                 e = self.ebuf[: z.numel()].view_as(z)
-                torch.exp(z, out=e)
+                exp_(z, out=e)
                 # sum p (z - m) relative to the running max, rescaled when the max moves
                 t[k0:k1] = alpha * (t[k0:k1] + s_old * (m_old - m_new)) + _bmm_rowdot(e, z)
                 s[k0:k1] = s_old * alpha + e.sum(1)
             else:
-                s[k0:k1] = s_old * alpha + z.exp_().sum(1)
+                s[k0:k1] = s_old * alpha + exp_(z).sum(1)
             m[k0:k1] = m_new
         log_s = torch.log(s)
         zero = torch.zeros((), dtype=acc, device=dev)
@@ -660,8 +670,10 @@ class TiledLinearSoftmax:
         db = torch.zeros(V, dtype=acc, device=dev) if need_b else None
         if g_ent is None:
             # dz = -g p = -sign(g) exp(z - lse + log|g|), rows scaled by 1/T: one exp pass and one multiply
-            # (the multiply also writes the low-precision copy for the matmuls)
-            shift = torch.stack((lse[0], lse[1] - torch.log(g_lp.abs())))
+            # (the multiply also writes the low-precision copy for the matmuls). The row max is subtracted
+            # first (exact near it); the rest of the shift joins the multiply by log2 e of ``exp_``.
+            shift = lse[:1]
+            tail = (torch.log(g_lp.abs()) - lse[1]) * LOG2E
             factor = -torch.sign(g_lp)
             onehot = -g_lp.abs()  # added at the target before the multiply: factor * (-|g|) = g
         else:
@@ -695,11 +707,10 @@ class TiledLinearSoftmax:
             z = self._logits(h, wb, v0, v1, k0, k1, shift=shift[:, k0:k1])
             col, inb = self._target_col(k0, k1, v0, v1)
             if g_ent is None:
-                dz = z.exp_()
+                dz = torch.add(tail[k0:k1].unsqueeze(-1), z, alpha=LOG2E, out=z).exp2_()
                 dz.scatter_add_(1, col, torch.where(inb, onehot[k0:k1], 0.0).unsqueeze(-1))
             else:
-                p = self.ebuf[: z.numel()].view_as(z)
-                torch.exp(z, out=p)
+                p = exp_(z, out=self.ebuf[: z.numel()].view_as(z))
                 ab = (b_ent[k0:k1].unsqueeze(-1), z, a_ent[k0:k1].unsqueeze(-1))
                 dz = torch.addcmul(*ab, out=z).mul_(p)  # two passes
                 dz.scatter_add_(1, col, torch.where(inb, g_lp[k0:k1], 0.0).unsqueeze(-1))
