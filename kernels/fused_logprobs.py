@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import host_ext
 from ._common import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -178,9 +179,9 @@ def exp_(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """exp(x) into ``out`` (default: in place), computed as 2^(x log2 e).
 
     On CPU torch's fp32 exp2 runs ~1.8x faster than its exp (2-core AVX2: 3.1 against 5.6 ms for a
-    [3584, 1536] tile), enough to pay for the extra multiply pass. The rounding of x log2 e adds a relative
-    error of at most |x| 2^-24 to the result: the tiles exponentiate x = z - max <= 0, where p = e^x is
-    negligible long before that matters (e^x |x| 2^-24 <= 2.2e-8)."""
+    [3584, 1536] tile), enough to pay for the extra multiply pass. Rounding log2 e and x log2 e to fp32 adds
+    a relative error under |x| 2^-23 to the result: the tiles exponentiate x = z - max <= 0, where p = e^x
+    is negligible long before that matters (e^x |x| 2^-23 <= 4.4e-8)."""
     return torch.mul(x, LOG2E, out=x if out is None else out).exp2_()
 
 
@@ -413,6 +414,57 @@ def tile_shape(n: int, V: int, chunk: int, elem_bytes: int, budget: int) -> tupl
     return c, (vb // VOCAB_ALIGN * VOCAB_ALIGN if vb >= VOCAB_ALIGN else vb)
 
 
+def _ptr(t: torch.Tensor | None, n: int | None = None) -> int | None:
+    """The address of a contiguous fp32 / int64 CPU tensor of ``n`` elements (None for None), for the host
+    library."""
+    if t is None:
+        return None
+    if t.device.type != "cpu" or not t.is_contiguous() or (n is not None and t.numel() != n):
+        raise ValueError(f"host kernels take contiguous CPU tensors of {n} elements, got {list(t.shape)}")
+    return t.data_ptr()
+
+
+def _host_tile(z: torch.Tensor) -> tuple[int, int, int]:
+    if z.dtype != torch.bfloat16 or z.dim() != 2 or z.stride(1) != 1 or z.device.type != "cpu":
+        raise ValueError(f"host kernels take a [c, w] bf16 CPU tile with unit column stride, got {z.dtype}")
+    return z.shape[0], z.shape[1], z.stride(0)
+
+
+def host_tile_stats(lib, z, inv_t, m, s, t=None) -> None:
+    """One more vocabulary block of the online softmax statistics, in the host library (in place).
+
+    z [c, w] bf16: raw logits (x = z * inv_t, ``inv_t`` [c] fp32 or None for 1). m, s, t [c] fp32: the
+    running max, sum exp(x - m) and sum exp(x - m) (x - m) (``t`` optional), as ``TiledLinearSoftmax.stats``
+    keeps them. One pass over z: csrc/softmax_tile_host.cc."""
+    c, w, ld = _host_tile(z)
+    lib.bitrl_tile_stats_bf16(
+        z.data_ptr(), c, w, ld, _ptr(inv_t, c), _ptr(m, c), _ptr(s, c), _ptr(t, c), torch.get_num_threads()
+    )
+
+
+def host_tile_grad(lib, z, inv_t, m, log_s, a, b, c_target, target) -> torch.Tensor:
+    """d loss / d logits of one tile, written over its bf16 logits z [c, w] by the host library; returns z.
+
+    With x = z * inv_t (``inv_t`` [c] or None) and log p = (x - m) - log_s: dz = p (a log p + b), plus
+    ``c_target`` at column ``target`` (int64, -1 for none). m, log_s, a (None: 0), b, c_target: [c] fp32."""
+    c, w, ld = _host_tile(z)
+    lib.bitrl_tile_grad_bf16(
+        z.data_ptr(),
+        c,
+        w,
+        ld,
+        _ptr(inv_t, c),
+        _ptr(m, c),
+        _ptr(log_s, c),
+        _ptr(a, c),
+        _ptr(b, c),
+        _ptr(c_target, c),
+        _ptr(target, c),
+        torch.get_num_threads(),
+    )
+    return z
+
+
 class TiledLinearSoftmax:
     """The torch backend of ``fused_logprobs`` and ``fused_linear_policy_loss``.
 
@@ -466,13 +518,16 @@ class TiledLinearSoftmax:
         self.acc = acc_dtype(hidden)
         self.mm = tile_matmul_dtype(hidden)
         sel = (lambda x: x) if index is None else (lambda x: x[index])
-        self.y, self.valid, self.inv_t = sel(y), sel(valid), sel(inv_t).to(self.acc)
+        self.y, self.valid, self.inv_t = sel(y), sel(valid), sel(inv_t).to(self.acc).contiguous()
         self.n = hidden.shape[0] if index is None else index.numel()
         self.scale = not unit_temperature
         # -inf bias entries (masked vocabulary) or an fp16 matmul output (overflow to inf) need clamping
         self.clamp = self.mm == torch.float16 or (bias is not None and bool(torch.isinf(bias).any()))
         self.bias = None if bias is None else bias.to(self.acc)
         self.chunk, self.op = chunk, op
+        # bf16 tiles on CPU, nothing but a temperature applied: the host library's one-pass softmax kernels
+        fusable = self.mm == torch.bfloat16 and self.acc == torch.float32 and not self.clamp and bias is None
+        self.host_lib = host_ext.load_host_library() if fusable and hidden.device.type == "cpu" else None
         self.h_all = None
         self.retile(need_ent)
 
@@ -483,9 +538,16 @@ class TiledLinearSoftmax:
         self.zbuf = self.ebuf = self.lowbuf = None  # free the old buffers before allocating the new ones
         low = 0 if self.mm == self.acc else torch.finfo(self.mm).bits // 8
         acc_bytes = torch.finfo(self.acc).bits // 8
-        elem = acc_bytes * (2 if need_ent else 1) + low
         budget = device_budget(TILE_BYTES[self.op], self.hidden.device)
-        self.c, self.vb = tile_shape(self.n, self.weight.shape[0], self.chunk, elem, budget)
+        # the host kernels work on the bf16 tile alone, while one tile holds every token (dW blocks summed
+        # over token tiles need dz in fp32)
+        self.host = self.host_lib
+        if self.host is not None:
+            self.c, self.vb = tile_shape(self.n, self.weight.shape[0], self.chunk, low, budget)
+            self.host = self.host if self.c >= self.n else None
+        if self.host is None:
+            elem = acc_bytes * (2 if need_ent else 1) + low
+            self.c, self.vb = tile_shape(self.n, self.weight.shape[0], self.chunk, elem, budget)
         self.tokens_outer = self.mm == self.acc and self.weight.dtype == self.acc
         if self.tokens_outer and self.op == "loss" and self.hidden.device.type == "cpu":
             # the loss op's working set sits next to its outputs; fused_logprobs keeps its larger tiles (its
@@ -493,8 +555,8 @@ class TiledLinearSoftmax:
             self.c, self.vb = min(self.c, TOKEN_TILE_ROWS), min(self.vb, LOGITS_BLOCK)
         dev = self.hidden.device
         size = self.c * self.vb
-        self.zbuf = torch.empty(size, dtype=self.acc, device=dev)
-        self.ebuf = torch.empty(size, dtype=self.acc, device=dev) if need_ent else None
+        self.zbuf = None if self.host else torch.empty(size, dtype=self.acc, device=dev)
+        self.ebuf = torch.empty(size, dtype=self.acc, device=dev) if need_ent and not self.host else None
         self.lowbuf = torch.empty(size, dtype=self.mm, device=dev) if low else None
         # one tile of tokens: gather the rows once
         gather_once = self.c >= self.n and (self.index is not None or self.hidden.dtype != self.mm)
@@ -588,6 +650,24 @@ class TiledLinearSoftmax:
         inb = (yc >= v0) & (yc < v1)
         return (yc - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1), inb
 
+    def _host_stats(self, h, wb, k0, k1, v0, v1, col, inb, m, s, t, zy):
+        """The statistics pass over one tile in the host library (one pass over the bf16 logits)."""
+        c, w = k1 - k0, v1 - v0
+        low = self._product(h, wb, k0, k1, v0, v1, self.lowbuf[: c * w].view(c, w), fill=True)
+        z_y = low.gather(1, col).squeeze(1).to(self.acc)
+        inv_t = self.inv_t[k0:k1] if self.scale else None
+        zy[k0:k1] = torch.where(inb, z_y if inv_t is None else z_y * inv_t, zy[k0:k1])
+        host_tile_stats(self.host, low, inv_t, m[k0:k1], s[k0:k1], None if t is None else t[k0:k1])
+
+    def _host_grad(self, h, wb, k0, k1, v0, v1, col, inb, lse, coefs):
+        """The tile's bf16 d loss / d logits from the host library (one pass over the bf16 logits)."""
+        c, w = k1 - k0, v1 - v0
+        low = self._product(h, wb, k0, k1, v0, v1, self.lowbuf[: c * w].view(c, w), fill=False)
+        a, b, c_lp = (None if x is None else x[k0:k1] for x in coefs)
+        inv_t = self.inv_t[k0:k1] if self.scale else None
+        target = torch.where(inb, col.squeeze(1), -1)
+        return host_tile_grad(self.host, low, inv_t, lse[0, k0:k1], lse[1, k0:k1], a, b, c_lp, target)
+
     def stats(self):
         """(lp, entropy | None, lse, lse - E_p[z]) over the active tokens, in the acc dtype: lp, entropy and
         the gap [n]; lse [2, n] = (row max m, log sum exp(z - m)), log-sum-exp = their sum, kept apart
@@ -601,6 +681,9 @@ class TiledLinearSoftmax:
         for k0, k1, v0, v1, h, wb in self._tiles():
             col, inb = self._target_col(k0, k1, v0, v1)
             m_old = m[k0:k1]
+            if self.host is not None:
+                self._host_stats(h, wb, k0, k1, v0, v1, col, inb, m, s, t if self.need_ent else None, zy)
+                continue
             low = self._low_logits(h, wb, k0, k1, v0, v1)
             if low is not None:  # bf16 logits as they are: the max and the target are exact in bf16
                 m_new = torch.maximum(m_old, low.amax(dim=1).to(acc))
@@ -683,6 +766,15 @@ class TiledLinearSoftmax:
             a_ent, b_ent = -g_ent, -g_ent * gap - g_lp
         if self.scale:
             factor = self.inv_t if factor is None else factor * self.inv_t
+        if self.host is not None:
+            # dz = p (A log p + B) + C onehot, with the 1/T of the logits' scaling folded into A, B, C
+            c_lp = g_lp if not self.scale else g_lp * self.inv_t
+            a = None if g_ent is None else -g_ent
+            b = -g_lp if g_ent is None else -g_ent * gap - g_lp
+            if self.scale:
+                a = None if a is None else a * self.inv_t
+                b = b * self.inv_t
+            coefs = (a, b.contiguous(), c_lp.contiguous())
 
         def end_block(block):  # the one-block fp32 dW buffer, rounded once
             if dw_blk is not None and block is not None:
@@ -704,24 +796,27 @@ class TiledLinearSoftmax:
                 rows = (k0, k1)
                 if dh_tile is not None:
                     dh_tile.zero_()
-            z = self._logits(h, wb, v0, v1, k0, k1, shift=shift[:, k0:k1])
             col, inb = self._target_col(k0, k1, v0, v1)
-            if g_ent is None:
-                dz = torch.add(tail[k0:k1].unsqueeze(-1), z, alpha=LOG2E, out=z).exp2_()
-                dz.scatter_add_(1, col, torch.where(inb, onehot[k0:k1], 0.0).unsqueeze(-1))
+            if self.host is not None:  # the bf16 dz alone, written over the tile's logits
+                dz, dzm = None, self._host_grad(h, wb, k0, k1, v0, v1, col, inb, lse, coefs)
             else:
-                p = exp_(z, out=self.ebuf[: z.numel()].view_as(z))
-                ab = (b_ent[k0:k1].unsqueeze(-1), z, a_ent[k0:k1].unsqueeze(-1))
-                dz = torch.addcmul(*ab, out=z).mul_(p)  # two passes
-                dz.scatter_add_(1, col, torch.where(inb, g_lp[k0:k1], 0.0).unsqueeze(-1))
-            f = None if factor is None else factor[k0:k1].unsqueeze(-1)
-            if self.lowbuf is not None:
-                dzm = self.lowbuf[: dz.numel()].view_as(dz)
-                if f is not None:  # in fp32 in place (db and fp32 dW blocks read dz), then one rounding
-                    dz.mul_(f)
-                dzm.copy_(dz)
-            else:
-                dzm = dz if f is None else dz.mul_(f)
+                z = self._logits(h, wb, v0, v1, k0, k1, shift=shift[:, k0:k1])
+                if g_ent is None:
+                    dz = torch.add(tail[k0:k1].unsqueeze(-1), z, alpha=LOG2E, out=z).exp2_()
+                    dz.scatter_add_(1, col, torch.where(inb, onehot[k0:k1], 0.0).unsqueeze(-1))
+                else:
+                    p = exp_(z, out=self.ebuf[: z.numel()].view_as(z))
+                    ab = (b_ent[k0:k1].unsqueeze(-1), z, a_ent[k0:k1].unsqueeze(-1))
+                    dz = torch.addcmul(*ab, out=z).mul_(p)  # two passes
+                    dz.scatter_add_(1, col, torch.where(inb, g_lp[k0:k1], 0.0).unsqueeze(-1))
+                f = None if factor is None else factor[k0:k1].unsqueeze(-1)
+                if self.lowbuf is not None:
+                    dzm = self.lowbuf[: dz.numel()].view_as(dz)
+                    if f is not None:  # in fp32 in place (db and fp32 dW blocks read dz), then one rounding
+                        dz.mul_(f)
+                    dzm.copy_(dz)
+                else:
+                    dzm = dz if f is None else dz.mul_(f)
             if db is not None:
                 db[v0:v1] += dz.sum(0)
             if dw is not None:

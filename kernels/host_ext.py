@@ -19,11 +19,15 @@ from pathlib import Path
 from ._common import cache_root
 from .cuda_ext import CSRC
 
-HOST_SOURCES = ("sampler_host.cc",)
+HOST_SOURCES = ("sampler_host.cc", "softmax_tile_host.cc")
 HEADERS = ("sampler_core.h",)
-# No -ffast-math or -march=native: the results must be the exact IEEE fp32 of the formula, and the cached
-# library may be shared by machines of one architecture.
-CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
+# No -ffast-math or -march=native: the results must be the IEEE fp32 of the formula as written (no
+# contraction into FMAs, so every target clone gives the same bits), and the cached library may be shared by
+# machines of one architecture. -fno-trapping-math lets float selects vectorize; it changes no result.
+CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-trapping-math")
+# OpenMP where the compiler has it: the library then shares torch's libgomp (same soname, loaded first) and
+# its threads; without it, the same code runs on one thread.
+OPENMP_FLAGS = ("-fopenmp",)
 
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
@@ -47,8 +51,12 @@ def build_host_library(out: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [exe, *CXX_FLAGS, *(str(CSRC / s) for s in HOST_SOURCES), "-o", tmp]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    sources = [str(CSRC / s) for s in HOST_SOURCES]
+    for flags in ((*CXX_FLAGS, *OPENMP_FLAGS), CXX_FLAGS):
+        cmd = [exe, *flags, *sources, "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode == 0:
+            break
     if proc.returncode:
         os.unlink(tmp)
         raise RuntimeError(f"host build failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
@@ -65,7 +73,7 @@ def load_host_library() -> ctypes.CDLL | None:
     if _TRIED:
         return _LIB
     _TRIED = True
-    digest = hashlib.sha256(" ".join(CXX_FLAGS).encode())
+    digest = hashlib.sha256(" ".join(CXX_FLAGS + OPENMP_FLAGS).encode())
     for name in (*HOST_SOURCES, *HEADERS):
         digest.update((CSRC / name).read_bytes())
     lib = cache_root() / "csrc" / f"host-{digest.hexdigest()[:16]}" / "libbitrl_host.so"
@@ -80,4 +88,7 @@ def load_host_library() -> ctypes.CDLL | None:
     _LIB.bitrl_sampling_uniforms.argtypes = [ptr, ptr, i64, i64, ptr]
     _LIB.bitrl_uniforms_at.argtypes = [ptr, ptr, ptr, i64, ptr]
     _LIB.bitrl_sampling_uniforms.restype = _LIB.bitrl_uniforms_at.restype = None
+    _LIB.bitrl_tile_stats_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
+    _LIB.bitrl_tile_grad_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    _LIB.bitrl_tile_stats_bf16.restype = _LIB.bitrl_tile_grad_bf16.restype = None
     return _LIB

@@ -18,23 +18,35 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("BITRL_CACHE", str(tmp_path_factory.getbasetemp() / "bitrl-cache"))
 
 
-@pytest.fixture(params=[torch.bfloat16, torch.float32], ids=["bf16-matmuls", "fp32-matmuls"])
+@pytest.fixture(
+    params=[(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)],
+    ids=["bf16-matmuls", "bf16-matmuls-torch-softmax", "fp32-matmuls"],
+)
 def cpu_bf16_matmul(request, monkeypatch):
-    """Both CPU paths of bf16 inputs on any machine: bf16 GEMMs (CPUs with bf16 units) and fp32 GEMMs of
-    the bf16 operands (CPUs without them). Yields the matmul dtype."""
+    """Every CPU path of bf16 inputs on any machine: bf16 GEMMs (CPUs with bf16 units), their tiles' softmax
+    passes in the host C++ kernels (where a compiler exists) or in the torch formula (``BITRL_HOST_EXT=0``),
+    and fp32 GEMMs of the bf16 operands (CPUs without bf16 units). Yields the matmul dtype."""
     fl = importlib.import_module("bitrl.kernels.fused_logprobs")  # the module, not the function
 
-    monkeypatch.setattr(fl, "CPU_BF16_MATMUL", request.param)
-    return request.param
+    matmul, host = request.param
+    monkeypatch.setattr(fl, "CPU_BF16_MATMUL", matmul)
+    if not host:
+        monkeypatch.setenv("BITRL_HOST_EXT", "0")
+    return matmul
 
 
 def tile_elem_bytes(dtype: torch.dtype, entropy: bool) -> int:
     """Bytes per [token x vocabulary] tile element of the torch backend: fp32 logits (and probabilities with
-    entropy), plus a bf16 copy where bf16 inputs multiply in bf16 (fp64: fp64 buffers)."""
+    entropy), plus a bf16 copy where bf16 inputs multiply in bf16 (fp64: fp64 buffers); the bf16 copy alone
+    where the host kernels run its softmax passes."""
+    from bitrl.kernels import host_ext
+
     fl = importlib.import_module("bitrl.kernels.fused_logprobs")
     acc = 8 if dtype == torch.float64 else 4
     bf16_gemms = fl.CPU_BF16_MATMUL == torch.bfloat16  # noqa: SIM300 (a module attribute, not a constant)
     low = 2 if dtype == torch.bfloat16 and bf16_gemms else 0
+    if low and host_ext.load_host_library() is not None:
+        return low
     return acc * (2 if entropy else 1) + low
 
 
