@@ -17,6 +17,9 @@ each variant's time as products x G + rest, and so its ratio to naive torch for 
 
     python benchmarks/bench_gemm_floor.py --bf16 --shape 1024x32768
 
+``--memory`` adds the peak memory of bitrl's two ops on that path, each in its own process with real bf16
+GEMMs (emulated where the CPU has no bf16 units: minutes per call at N = 4096).
+
 Results: benchmarks/results/bench_gemm_floor.json (merged by shape; the --bf16 split under "bf16/<shape>").
 """
 
@@ -157,10 +160,21 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=2, help="timed rounds after a warm-up round (minimum taken)")
     p.add_argument("--json", type=Path, default=RESULTS)
     p.add_argument("--bf16", action="store_true", help="the bf16-GEMM split (see the module docstring)")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="with --bf16: also the peak memory of bitrl's ops on that path, real (emulated) bf16 GEMMs",
+    )
     args = p.parse_args(argv)
     N, V = (int(v) for v in args.shape.split("x"))
     if args.bf16:
         rows = bf16_split(N, V, args.reps)
+        if args.memory:
+            for op in OPS:
+                spec = dict(mode="memory", op=op, names=["bitrl"], N=N, V=V, dtype="bf16", bf16_gemms=True)
+                peak = bi.run_child(spec, cap_gb=10.0, timeout=3600.0)
+                rows[f"{op}/bitrl"]["peak_mib"] = peak.get("peak_mib", peak.get("error"))
+                print(f"{op:16s} bitrl peak memory with bf16 GEMMs: {rows[f'{op}/bitrl']['peak_mib']} MiB")
         print(f"one fp32 product: {rows['fp32_product_s']:.2f} s")
         for op in OPS:
             for name in NAMES:

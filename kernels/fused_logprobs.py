@@ -494,6 +494,11 @@ class TiledLinearSoftmax:
     bf16 across tiles. fp16 on CPU, and bf16 on a CPU without bf16 units (``CPU_BF16_MATMUL``), multiply in
     fp32: the same exact products and fp32 sums, without the roundings to bf16; each dW block is summed in a
     one-block fp32 buffer and rounded once to the weight's dtype, dh is summed in fp32 and rounded once.
+
+    bf16 GEMMs without a bias or clamping, while one tile holds every token: the softmax passes run in the
+    host library where it builds (``host_tile_stats``, ``host_tile_grad``: one pass over the bf16 tile
+    each, the same fp32 arithmetic in registers, dz rounded once to bf16), and a tile is its bf16 logits
+    alone; elsewhere, or with ``BITRL_HOST_EXT=0``, the torch formula above.
     """
 
     def __init__(
