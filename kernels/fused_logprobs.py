@@ -772,14 +772,10 @@ class TiledLinearSoftmax:
         if self.scale:
             factor = self.inv_t if factor is None else factor * self.inv_t
         if self.host is not None:
-            # dz = p (A log p + B) + C onehot, with the 1/T of the logits' scaling folded into A, B, C
-            c_lp = g_lp if not self.scale else g_lp * self.inv_t
-            a = None if g_ent is None else -g_ent
-            b = -g_lp if g_ent is None else -g_ent * gap - g_lp
-            if self.scale:
-                a = None if a is None else a * self.inv_t
-                b = b * self.inv_t
-            coefs = (a, b.contiguous(), c_lp.contiguous())
+            # the same dz as p (a log p + b) + g_lp onehot (a = 0, b = -g_lp without entropy), all times 1/T
+            inv_t = self.inv_t if self.scale else 1.0
+            a = None if g_ent is None else a_ent * inv_t
+            coefs = (a, (-g_lp if g_ent is None else b_ent) * inv_t, g_lp * inv_t)
 
         def end_block(block):  # the one-block fp32 dW buffer, rounded once
             if dw_blk is not None and block is not None:
