@@ -414,13 +414,15 @@ def tile_shape(n: int, V: int, chunk: int, elem_bytes: int, budget: int) -> tupl
     return c, (vb // VOCAB_ALIGN * VOCAB_ALIGN if vb >= VOCAB_ALIGN else vb)
 
 
-def _ptr(t: torch.Tensor | None, n: int | None = None) -> int | None:
-    """The address of a contiguous fp32 / int64 CPU tensor of ``n`` elements (None for None), for the host
-    library."""
+def _ptr(t: torch.Tensor | None, n: int, dtype: torch.dtype = torch.float32) -> int | None:
+    """The address of a contiguous CPU tensor of ``n`` elements of ``dtype`` (None for None), for the host
+    library, which reads raw memory."""
     if t is None:
         return None
-    if t.device.type != "cpu" or not t.is_contiguous() or (n is not None and t.numel() != n):
-        raise ValueError(f"host kernels take contiguous CPU tensors of {n} elements, got {list(t.shape)}")
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n or t.dtype != dtype:
+        raise ValueError(
+            f"host kernels take contiguous CPU {dtype} tensors of {n} elements, got {t.dtype} {list(t.shape)}"
+        )
     return t.data_ptr()
 
 
@@ -459,7 +461,7 @@ def host_tile_grad(lib, z, inv_t, m, log_s, a, b, c_target, target) -> torch.Ten
         _ptr(a, c),
         _ptr(b, c),
         _ptr(c_target, c),
-        _ptr(target, c),
+        _ptr(target, c, torch.int64),
         torch.get_num_threads(),
     )
     return z
