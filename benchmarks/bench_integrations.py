@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bitrl.benchmarks.stats import interleaved_times, machine, rss_growth_mib
+from bitrl.kernels.bench_stats import interleaved_times, machine, rss_growth_mib
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_integrations.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

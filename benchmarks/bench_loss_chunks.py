@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_integrations as bi  # noqa: E402
 
-from bitrl.benchmarks.stats import interleaved_times, machine, merge_json, rss_growth_mib  # noqa: E402
+from bitrl.kernels.bench_stats import interleaved_times, machine, merge_json, rss_growth_mib  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_loss_chunks.json"
 CONFIGS = {"one-pass32": 32, "one-pass16": 16, "one-pass8": 8, "tiles": None}

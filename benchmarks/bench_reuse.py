@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from bitrl.benchmarks.stats import mean_ci95
+from bitrl.kernels.bench_stats import mean_ci95
 
 
 def _reuse(mode: str, lenience: float, refresh_flat: bool = True) -> list[str]:

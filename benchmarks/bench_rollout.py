@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bitrl.benchmarks.stats import machine
+from bitrl.kernels.bench_stats import machine
 
 OLD_COMMIT = "1895635"
 REPO = Path(__file__).resolve().parent.parent

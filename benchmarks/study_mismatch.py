@@ -22,7 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bitrl.benchmarks.stats import mean_ci95
+from bitrl.kernels.bench_stats import mean_ci95
 
 # Corrections compared, by their registered names: each carries the usual defaults from the papers
 # (kernels/core_algos.py LossConfig: TIS cap 2, sequence MIS bounds 0.5-2, IcePop 0.5-5, AIS).

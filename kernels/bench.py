@@ -33,7 +33,7 @@ from functools import partial
 
 import torch
 
-from bitrl.benchmarks.stats import interleaved_times, rss_growth_mib
+from bitrl.kernels.bench_stats import interleaved_times, rss_growth_mib
 
 CPU_TARGET = dict(N=8192, H=1024, V=32768, B=16)
 CPU_QUICK = dict(N=1024, H=256, V=4096, B=8)

@@ -73,11 +73,13 @@ def load_host_library() -> ctypes.CDLL | None:
     if _TRIED:
         return _LIB
     _TRIED = True
-    digest = hashlib.sha256(" ".join(CXX_FLAGS + OPENMP_FLAGS).encode())
-    for name in (*HOST_SOURCES, *HEADERS):
-        digest.update((CSRC / name).read_bytes())
-    lib = cache_root() / "csrc" / f"host-{digest.hexdigest()[:16]}" / "libbitrl_host.so"
+    # Any failure here (sources missing from an incomplete install, no compiler, a failed build, a library
+    # that will not load) leaves the torch formulas in charge: one warning, never a crash.
     try:
+        digest = hashlib.sha256(" ".join(CXX_FLAGS + OPENMP_FLAGS).encode())
+        for name in (*HOST_SOURCES, *HEADERS):
+            digest.update((CSRC / name).read_bytes())
+        lib = cache_root() / "csrc" / f"host-{digest.hexdigest()[:16]}" / "libbitrl_host.so"
         if not lib.exists():
             build_host_library(lib)
         _LIB = ctypes.CDLL(str(lib))

@@ -126,8 +126,26 @@ def hf_model_dir(tmp_path):
 
 
 def pytest_report_header(config):
-    interpret = os.environ.get("TRITON_INTERPRET")
-    return f"torch {torch.__version__}, cuda: {torch.cuda.is_available()}, TRITON_INTERPRET={interpret}"
+    """The machine a run's results depend on: CPU kind (summation order of torch's kernels, bf16 units), host
+    compiler (the C++ softmax and sampler passes), CUDA and the Triton interpreter."""
+    from bitrl.kernels import host_ext
+    from bitrl.kernels.bench_stats import machine
+
+    cpu, interpret = machine(), os.environ.get("TRITON_INTERPRET")
+    return [
+        f"torch {torch.__version__}, cuda: {torch.cuda.is_available()}, TRITON_INTERPRET={interpret}",
+        f"cpu: {cpu['cpu']} ({cpu['cpus']} cores), ATen kernels {torch.backends.cpu.get_cpu_capability()}, "
+        f"bf16 units: {', '.join(cpu['native_bf16']) or 'none'}, host C++ compiler: {host_ext.compiler()}",
+    ]
+
+
+def fp32_sum_bound(n_terms: int, mass: float, roundings: int = 8, dtype=torch.float32) -> float:
+    """How far two evaluation orders of one sum can land apart: ``n_terms`` terms whose absolute values add up
+    to ``mass``, each carrying up to ``roundings`` roundings of its own (exp, products, normalisers). Each
+    order is within (n - 1 + roundings) * u * mass of the exact value (u = eps / 2, first order), so two
+    orders differ by at most twice that. CPU kinds sum in other orders (torch's AVX2 against AVX-512/AMX
+    kernels, MKL's blocking), so a test comparing two computations of one sum must allow this much."""
+    return 2 * (n_terms - 1 + roundings) * (torch.finfo(dtype).eps / 2) * mass
 
 
 # A PolicyTrainer config (any object with TrainConfig's fields) for unit tests: plain GRPO, fp32, a large lr.

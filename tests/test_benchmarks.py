@@ -10,7 +10,7 @@ import torch
 from conftest import TINY_DEMO_MODEL
 
 from bitrl.benchmarks import bench_reuse
-from bitrl.benchmarks.stats import mean_ci95
+from bitrl.kernels.bench_stats import mean_ci95
 
 TINY = [
     *TINY_DEMO_MODEL,

@@ -1,6 +1,7 @@
 """The counter-based fused sampler: Philox, the reference semantics, the torch and Triton paths."""
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -143,6 +144,27 @@ def test_the_torch_formula_runs_where_the_host_library_is_off(monkeypatch):
     seeds, positions = torch.tensor([1, 2]), torch.tensor([3, 4])
     want = sampling._sampling_uniforms_torch(seeds, positions, 9)
     assert torch.equal(sampling.sampling_uniforms(seeds, positions, 9), want)
+
+
+@pytest.mark.parametrize("broken", ["failing compiler", "sources missing"])
+def test_a_broken_host_build_warns_once_and_falls_back(broken, tmp_path, monkeypatch):
+    """No usable compiler (or an install without csrc/) costs one warning and the torch formula, never a
+    crash: the draw is the same bits either way."""
+    from bitrl.kernels import host_ext, sampling
+
+    monkeypatch.setattr(host_ext, "_TRIED", False)
+    monkeypatch.setattr(host_ext, "_LIB", None)
+    monkeypatch.setenv("BITRL_CACHE", str(tmp_path / "cache"))  # nothing built before
+    if broken == "failing compiler":
+        monkeypatch.setenv("CXX", shutil.which("false"))
+    else:
+        monkeypatch.setattr(host_ext, "CSRC", tmp_path / "no-csrc")
+    with pytest.warns(UserWarning, match="host C[+][+] helpers unavailable") as caught:
+        assert host_ext.load_host_library() is None
+        seeds, positions = torch.tensor([5, 6]), torch.tensor([7, 8])
+        table = sampling.sampling_uniforms(seeds, positions, 11)
+    assert len(caught) == 1
+    assert torch.equal(table, sampling._sampling_uniforms_torch(seeds, positions, 11))
 
 
 # The interpreter is slow: every setting in fp32, the filtered ones in bf16 / fp16, one multi-tile vocabulary.

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import TINY_QWEN, make_qwen
+from conftest import TINY_QWEN, fp32_sum_bound, make_qwen
 
 from bitrl.engine.config import load_config
 from bitrl.rollout.engine import Rollout, generate
@@ -77,8 +77,9 @@ def test_micro_batches_split_by_token_budget():
     ],
 )
 def test_micro_batching_gives_the_one_batch_update(aggregation, correction, args):
-    """Gradient accumulation over micro-batches equals the one-batch gradient (fp32, 1e-6 relative), also
-    with batch-level corrections (AIS) and corrections that mask whole sequences."""
+    """Gradient accumulation over micro-batches equals the one-batch gradient, also with batch-level
+    corrections (AIS) and corrections that mask whole sequences: equal up to the order in which fp32 sums
+    their tokens (a normaliser taken per micro-batch instead of the global one would be off by ~1e-2)."""
     rollout = sample(make_qwen(**TINY_QWEN))
     advantages = torch.linspace(-1.5, 1.5, 8)
     common = [f"train.aggregation={aggregation}", f"train.correction={correction}", "train.autocast=none"]
@@ -91,11 +92,19 @@ def test_micro_batching_gives_the_one_batch_update(aggregation, correction, args
         )
     loss, grad, old = results[0]
     assert grad.norm() > 0
+    # The loss is a weighted mean of n per-token terms: aggregation weights summing to at most 1, times
+    # |advantage| times a correction weight no larger than max(1, rho) (TIS caps rho, masks zero it, AIS
+    # interpolates between 1 and rho). Its scale is that bound, not |loss|, which cancels to ~1e-2.
+    n = int(rollout.response_mask.sum())
+    log_rho = (old - rollout.logprobs)[rollout.response_mask.bool()]
+    scale = float(advantages.abs().max()) * max(1.0, float(log_rho.max().exp()))
     for budget in (10, 25):
         loss_m, grad_m, old_m = results[budget]
-        torch.testing.assert_close(old_m, old, rtol=1e-6, atol=1e-6)  # the old-log-prob pass, micro-batched
-        assert abs(loss_m - loss) <= 1e-6 * max(abs(loss), 1e-6)
-        assert relative_error(grad_m, grad) < 1e-6, budget
+        # The old-log-prob pass, micro-batched: each token's log-prob is one log-softmax of the same logits.
+        torch.testing.assert_close(old_m, old, rtol=1e-6, atol=1e-6)
+        assert abs(loss_m - loss) <= fp32_sum_bound(n, scale), (budget, loss_m - loss)
+        # Each weight's gradient sums n per-token contributions in another order.
+        assert relative_error(grad_m, grad) < fp32_sum_bound(n, 1.0), budget
 
 
 def test_micro_batched_step_matches_one_batch_step():
