@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_integrations as bi  # noqa: E402
 
-from bitrl.kernels.bench_stats import interleaved_times, machine, merge_json  # noqa: E402
 from bitrl.kernels import fused_logprobs  # noqa: E402
+from bitrl.kernels.bench_stats import interleaved_times, machine, merge_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_keep_logits.json"
 
