@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import TINY_QWEN, fp32_sum_bound, make_qwen
+from conftest import TINY_QWEN, assert_same_adam_update, fp32_sum_bound, make_qwen
 
 from bitrl.engine.config import load_config
 from bitrl.rollout.engine import Rollout, generate
@@ -116,7 +116,7 @@ def test_micro_batched_step_matches_one_batch_step():
         cfg = train_cfg("train.minibatches=2", f"train.micro_batch_tokens={budget}", "train.lr=1e-3")
         PolicyTrainer(model, cfg).step(rollout, advantages)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    assert relative_error(weights[1], weights[0]) < 1e-6
+    assert_same_adam_update(weights[1], weights[0], lr=1e-3)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
@@ -127,7 +127,9 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model, train_cfg("train.gradient_checkpointing=true"), rollout, advantages
     )
     assert model.model.gradient_checkpointing  # the switch reached the decoder
-    assert relative_error(checkpointed[1], plain[1]) < 1e-6
+    # The recomputed forward runs the same products at the same shapes, so the same kernels and summation
+    # order on any CPU: the gradients are the same bits.
+    assert torch.equal(checkpointed[1], plain[1])
 
 
 def test_bf16_model_keeps_fp32_master_weights_and_runs_under_autocast():
