@@ -120,8 +120,9 @@ def bitrl_policy_loss(
                 f"correction={correction!r}: needs verl's per-token rollout ratio; set "
                 "algorithm.rollout_correction.rollout_is=token with a threshold that does not truncate"
             )
-        log_rho = torch.log(rollout_is_weights.detach().to(torch.float32).clamp(min=1e-30))
-        kwargs.update(rollout_logprobs=old_log_prob.detach().to(torch.float32) - log_rho, correction=names)
+        acc = torch.promote_types(old_log_prob.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
+        log_rho = torch.log(rollout_is_weights.detach().to(acc).clamp(min=1e-30))
+        kwargs.update(rollout_logprobs=old_log_prob.detach().to(acc) - log_rho, correction=names)
     elif rollout_is_weights is not None:
         kwargs["is_weights"] = rollout_is_weights
     kwargs.update(options)

@@ -148,6 +148,23 @@ def fp32_sum_bound(n_terms: int, mass: float, roundings: int = 8, dtype=torch.fl
     return 2 * (n_terms - 1 + roundings) * (torch.finfo(dtype).eps / 2) * mass
 
 
+def fp32_logprob_bound(hidden: torch.Tensor, weight: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Worst-case |log p - exact| per row of log_softmax(hidden @ weight.T / T) evaluated in fp32 from fp32
+    operands, in any summation order (first order, u = 2^-24). hidden [N, H], weight [V, H] (any float
+    dtype; the bound is computed in fp64). Each logit sums H products: |dz_v| <= (H + 1) u (|h| |w_v|) / T
+    plus the rounding of z_v itself; log p_y = z_y - lse moves by at most 2 max_v |dz_v|, and the lse adds
+    the rounding of a sum of V exponentials of relative error (V + 3) u (an absolute error on its log) and
+    of its log and the subtraction (u |lse|, u |log p|). Entropy, -sum p log p, moves by at most
+    (1 + max|log p|) times this."""
+    u = 2.0**-24
+    h, w = hidden.double(), weight.double()
+    z = h @ w.T / temperature
+    dz = (h.shape[-1] + 1) * u * (h.abs() @ w.abs().T) / temperature + u * z.abs()
+    lse = torch.logsumexp(z, -1)
+    logp_max = (z - lse[:, None]).abs().amax(-1)
+    return 2 * dz.amax(-1) + (w.shape[0] + 3) * u + u * lse.abs() + u * logp_max
+
+
 def assert_same_adam_update(got: torch.Tensor, want: torch.Tensor, lr: float, what: str = "") -> None:
     """Two runs of the same Adam steps whose gradients differ only in the order fp32 summed them
     (micro-batches, ranks, another CPU's kernels) leave the same weights up to a small part of one step.

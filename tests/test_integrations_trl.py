@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("trl", reason="TRL is a test dependency (pip install -e .[dev])")
 
-from conftest import save_tiny_hf_model  # noqa: E402
+from conftest import fp32_logprob_bound, save_tiny_hf_model  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -118,9 +118,14 @@ def test_bitrl_head_matches_trl_head_and_reference(model_dir):
         mask = labels[:, 1:] != -100
         ref_lp = logp.gather(-1, labels[:, 1:].clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
         ref_ent = -(logp.exp() * logp).sum(-1) * mask
-    torch.testing.assert_close(outs[1].log_probs.double(), ref_lp, atol=2e-6, rtol=0)
-    torch.testing.assert_close(outs[1].entropy.double(), ref_ent, atol=2e-6, rtol=0)
-    torch.testing.assert_close(outs[1].log_probs, outs[0].log_probs, atol=1e-6, rtol=0)
+    # Within the fp32 formula's worst-case rounding of the fp64 reference, in any summation order; the two
+    # heads each within it, so within twice it of each other.
+    n_ids = hidden.shape[:2]
+    bound = fp32_logprob_bound(hidden.flatten(0, 1), base.lm_head.weight, 0.7).view(n_ids) * mask
+    logp_max = logp.abs().amax(-1)
+    assert ((outs[1].log_probs.double() - ref_lp).abs() <= bound).all()
+    assert ((outs[1].entropy.double() - ref_ent).abs() <= (1 + logp_max) * bound).all()
+    assert ((outs[1].log_probs - outs[0].log_probs).abs() <= 2 * bound).all()
     for out in outs:
         (out.log_probs.sum() + 0.3 * out.entropy.sum()).backward()
     for p, q in zip(theirs.parameters(), ours.parameters()):
