@@ -54,17 +54,23 @@ def mismatched(rollout):
     return dataclasses.replace(rollout, logprobs=rollout.logprobs + noise * rollout.response_mask)
 
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
-def torchrun(*args: str, nproc: int = 2, timeout: float = 300, env=ENV) -> subprocess.CompletedProcess:
+def subprocess_env(**extra: str) -> dict:
+    """The environment of a test's ranks, read when they start: it carries the test's own bitrl cache (an
+    environment read at import would send the ranks' warm starts to the user's cache, and load there what
+    another machine's kernels, or an older run, left)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*TORCHRUN, f"--nproc-per-node={nproc}", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=subprocess_env() if env is None else env,
         cwd=REPO,
     )
 
@@ -328,7 +334,7 @@ def test_a_model_over_one_ranks_memory_budget_trains_on_two(tmp_path):
     """With each rank's allocations capped at BUDGET_MIB by the kernel, the 25M-parameter model runs out of
     memory on one rank and trains its 2 steps on two (FSDP2 shards weights, gradients and AdamW states)."""
     # Freed tensors above 64 KiB go back to the system at once, so the cap meets live memory, not a cache.
-    env = {**ENV, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = subprocess_env(MALLOC_MMAP_THRESHOLD_="65536")
     one = torchrun(__file__, "budget", str(tmp_path / "one"), nproc=1, env=env)
     assert one.returncode != 0 and "can't allocate memory" in one.stderr, one.stderr[-3000:]
     two = torchrun(__file__, "budget", str(tmp_path / "two"), nproc=2, env=env)
@@ -359,7 +365,7 @@ def test_two_ranks_run_like_one_and_resume_after_sigkill(tmp_path):
     killed_dir = tmp_path / "killed"
     log = open(tmp_path / "killed.log", "w")  # noqa: SIM115 (open while the run lasts)
     run = subprocess.Popen(
-        [*bitrl, *tiny_run_args(tmp_path, "killed")], env=ENV, cwd=REPO, stderr=log, stdout=log
+        [*bitrl, *tiny_run_args(tmp_path, "killed")], env=subprocess_env(), cwd=REPO, stderr=log, stdout=log
     )
     deadline = time.monotonic() + 240
     metrics = killed_dir / "metrics.jsonl"
@@ -374,12 +380,17 @@ def test_two_ranks_run_like_one_and_resume_after_sigkill(tmp_path):
     log.close()
     assert (killed_dir / "checkpoint.json").is_file()
     wrong = subprocess.run(
-        [*bitrl[:-2], "--resume", str(killed_dir)], env=ENV, capture_output=True, text=True
+        [*bitrl[:-2], "--resume", str(killed_dir)], env=subprocess_env(), capture_output=True, text=True
     )
     assert wrong.returncode == 2 and "saved by 2 ranks; resume it with --nproc 2" in wrong.stderr
 
     resumed = subprocess.run(
-        [*bitrl, "--resume", str(killed_dir)], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300
+        [*bitrl, "--resume", str(killed_dir)],
+        env=subprocess_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed" in resumed.stdout + resumed.stderr
