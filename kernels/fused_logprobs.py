@@ -896,7 +896,8 @@ if HAS_TRITON:
             cols = start + tl.arange(0, BLOCK_V)
             inb = cols < V
             z = tl.load(z_row + cols, mask=inb, other=0.0).to(tl.float32) * inv_t
-            z = tl.where(inb, tl.maximum(z, neg), neg)
+            # -inf logits to -1e30 (p = 0 exactly, no inf - inf); a comparison keeps NaN, tl.maximum drops it
+            z = tl.where(inb, tl.where(z < neg, neg, z), neg)
             m_new = tl.maximum(m, tl.max(z, axis=0))
             scale = tl.exp(m - m_new)
             zc = z - m_new
@@ -948,7 +949,7 @@ if HAS_TRITON:
             cols = start + tl.arange(0, BLOCK_V)
             inb = cols < V
             z = tl.load(z_row + cols, mask=inb, other=0.0).to(tl.float32) * inv_t
-            zc = tl.maximum(z, neg) - m
+            zc = tl.where(z < neg, neg, z) - m  # as in the forward: NaN stays NaN
             p = tl.exp(zc - log_s)
             dz = -g_lp * p
             if HAS_GENT:

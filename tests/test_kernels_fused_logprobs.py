@@ -447,6 +447,34 @@ def test_triton_matches_torch_path(dtype, monkeypatch):
         assert_as_accurate(g.cpu(), u.cpu(), r, atol=2e-5, rtol=2e-5, what=f"triton {dtype} {name}")
 
 
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("where", ["hidden row", "hidden element", "weight row"])
+def test_nan_input_shows_in_the_outputs_or_raises(impl, where, monkeypatch):
+    """A NaN input is never clamped away: with the check it raises naming the input; without it the rows it
+    reaches (one for a hidden state, all for a vocabulary row of the weight) get NaN log-prob and entropy,
+    the others stay finite, and the weight gradient carries the NaN."""
+    monkeypatch.setattr(fl, "BLOCK_V_MAX", 16)  # several vocabulary tiles per row
+    dev = triton_device() if impl == "triton" else "cpu"
+    h, w, y, _ = _inputs(5, 8, 45, torch.float32, device=dev)
+    h, w = h.detach().clone(), w.detach().clone()
+    if where == "hidden row":
+        h[2] = float("nan")
+    elif where == "hidden element":
+        h[2, 3] = float("nan")
+    else:
+        w[7] = float("nan")
+    with pytest.raises(ValueError, match="hidden|weight"):
+        fused_logprobs(h, w, y, impl=impl)
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, ent = fused_logprobs(hh, ww, y, impl=impl, check_finite=False)
+    reached = torch.zeros(5, dtype=torch.bool, device=lp.device)
+    reached[2 if where.startswith("hidden") else slice(None)] = True
+    assert torch.isnan(lp[reached]).all() and torch.isnan(ent[reached]).all(), (lp, ent)
+    assert torch.isfinite(lp[~reached]).all() and torch.isfinite(ent[~reached]).all()
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isnan(ww.grad).any()
+
+
 @needs_triton
 def test_triton_n1_and_entropy_unused():
     dev = triton_device()
