@@ -81,7 +81,9 @@ def resolve_spec(
     return QuantSpec(f, "block", bs, mode, rounding)
 
 
-def check_input(x, *, name: str = "x") -> None:
+def check_input(x, *, name: str = "x", check_finite: bool = True) -> None:
+    """ValueError naming ``name`` unless x is a float tensor with at least one element; with
+    ``check_finite`` also unless every element is finite (one pass over x and one host sync)."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
@@ -90,15 +92,16 @@ def check_input(x, *, name: str = "x") -> None:
         raise ValueError(
             f"{name} must have at least one dimension and one element, got shape {tuple(x.shape)}"
         )
-    global_amax(x, name=name)
+    if check_finite:
+        global_amax(x, name=name)
 
 
-def global_amax(x: torch.Tensor, *, name: str = "x") -> torch.Tensor:
-    """max |x| as a float32 0-d tensor, in one pass (``aminmax``); ValueError on NaN / inf (which
-    propagate)."""
+def global_amax(x: torch.Tensor, *, name: str = "x", check_finite: bool = True) -> torch.Tensor:
+    """max |x| as a float32 0-d tensor, in one pass (``aminmax``); with ``check_finite``, ValueError on
+    NaN / inf (which propagate), at the cost of one host sync."""
     mn, mx = torch.aminmax(x)
     amax = torch.maximum(-mn, mx).to(torch.float32).abs()  # abs turns -0.0 into +0.0
-    if not bool(torch.isfinite(amax)):
+    if check_finite and not bool(torch.isfinite(amax)):
         raise ValueError(f"{name} contains NaN or inf; quantization needs finite input")
     return amax
 
@@ -148,9 +151,7 @@ def quantize(
     spec = resolve_spec(
         fmt, block_size=block_size, scale_mode=scale_mode, granularity=granularity, rounding=rounding
     )
-    check_input(x.flatten()[:1] if isinstance(x, torch.Tensor) and x.numel() else x)  # type, dtype, shape
-    if x.dim() == 0:
-        raise ValueError(f"x must have at least one dimension, got shape {tuple(x.shape)}")
+    check_input(x, check_finite=False)  # type, dtype, shape: metadata only, no sync
     gmax = global_amax(x) if check_finite else None
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
@@ -226,8 +227,7 @@ def quantize_reference(
         denom = bs * ts
         zero = denom <= 0
         scaled = xb / torch.where(zero, torch.ones_like(denom), denom)[:, None, :, None]
-        if bool(zero.any()):
-            scaled.masked_fill_(zero[:, None, :, None].expand_as(scaled), 0.0)
+        scaled.masked_fill_(zero[:, None, :, None].expand_as(scaled), 0.0)  # always: a branch would sync
         scale = bs.to(torch.float8_e4m3fn)
     else:
         s = ref.fp8_scale(amax, elem)
@@ -258,7 +258,7 @@ def quantize_triton(
     f = spec.fmt
     ts = None
     if f.scale_kind == "e4m3":
-        ts = ref.nvfp4_tensor_scale(gmax if gmax is not None else global_amax(x2))
+        ts = ref.nvfp4_tensor_scale(gmax if gmax is not None else global_amax(x2, check_finite=False))
     codes, scale = quantize_blocks_triton(
         x2,
         f.element,

@@ -4,6 +4,7 @@ import os
 import pytest
 import torch
 from hypothesis import settings
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Property tests draw the same examples on every run, so a test run never fails on a case no earlier run has
 # seen (to explore new examples: HYPOTHESIS_PROFILE=explore).
@@ -137,6 +138,32 @@ def pytest_report_header(config):
         f"cpu: {cpu['cpu']} ({cpu['cpus']} cores), ATen kernels {torch.backends.cpu.get_cpu_capability()}, "
         f"bf16 units: {', '.join(cpu['native_bf16']) or 'none'}, host C++ compiler: {host_ext.compiler()}",
     ]
+
+
+class count_host_syncs(TorchDispatchMode):
+    """Counts the ops that read a tensor's value back to the host (``bool(t)``, ``t.item()``, ``if t:``):
+    on a GPU each is a device synchronisation (and a graph break under torch.compile). Works on CPU, where
+    those ops are the same ``aten._local_scalar_dense`` / ``aten.is_nonzero`` calls.
+
+        with count_host_syncs() as syncs:
+            step()
+        assert syncs.count == 0, syncs.ops"""
+
+    READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.allclose")
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.ops)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in self.READS:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
 
 
 def fp32_sum_bound(n_terms: int, mass: float, roundings: int = 8, dtype=torch.float32) -> float:

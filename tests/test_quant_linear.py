@@ -6,10 +6,11 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_qwen
+from conftest import count_host_syncs, make_qwen
 from torch import nn
 
 from bitrl.kernels import qmatmul
+from bitrl.kernels._common import triton_unavailable_reason
 from bitrl.quant import FORMATS, fake_quantize, quantize
 from bitrl.quant.linear import QuantLinear, quantize_model, requantize_
 
@@ -72,6 +73,24 @@ def test_activation_quantization(fmt, act):
     xq = fake_quantize(x, a_fmt, **kw)
     assert not torch.equal(xq, x)
     assert torch.equal(q(x), F.linear(xq, q.dequantized_weight()))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "mxfp4", "nvfp4"])
+def test_a_quantized_activation_forward_reads_nothing_back_to_the_host(fmt):
+    """W8A8 / W4A4 forwards quantize activations with check_finite=False: no host read of a value (each would
+    be a device sync and a graph break per layer per decode step on a GPU)."""
+    q = QuantLinear.from_linear(nn.Linear(64, 32, bias=False), fmt, act="auto" if fmt == "fp8_e4m3" else fmt)
+    x = torch.randn(4, 64)
+    with count_host_syncs() as syncs:
+        q(x)
+    assert syncs.count == 0, syncs.ops
+    if fmt != "fp8_e4m3" and triton_unavailable_reason(x.device) is None:  # the Triton path (1-D blocks)
+        with count_host_syncs() as syncs:
+            quantize(x, fmt, backend="triton", check_finite=False)
+        assert syncs.count == 0, syncs.ops
+    with count_host_syncs() as syncs:  # the checked entry point reads one flag, and says so
+        quantize(x, fmt)
+    assert syncs.count == 1, syncs.ops
 
 
 @pytest.mark.skipif(
