@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import fp32_sum_bound
 
 from bitrl.kernels._common import triton_unavailable_reason
 from bitrl.kernels.sampling import (
@@ -106,6 +107,22 @@ def test_torch_path_draws_only_near_the_top_yet_like_the_reference(dtype):
             ref_tok, ref_lp = fused_sample_reference(*args)
             assert torch.equal(tok, ref_tok)
             torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+
+
+def test_the_reference_fits_a_real_vocabulary():
+    """Top-p at Qwen's vocabulary (V = 151936): the reference runs in O(V) memory per row (a pairwise
+    [V, V] formulation would need ~100 GB), and agrees with the torch path."""
+    from bitrl.kernels.bench_stats import rss_growth_mib
+
+    logits, seeds, positions = _random_case(3, 2, 151936, torch.float32)
+    args = (logits, seeds, positions, 0.7, 0, 0.9)
+    peak_mib, _ = rss_growth_mib(lambda: fused_sample_reference(*args))
+    assert peak_mib < 64, peak_mib
+    tok, lp = fused_sample(*args, impl="torch")
+    ref_tok, ref_lp = fused_sample_reference(*args)
+    assert torch.equal(tok, ref_tok)
+    # log-probs: each path's log-sum-exp adds ~1e5 kept terms in fp32, in its own order
+    assert ((lp - ref_lp).abs() <= fp32_sum_bound(logits.shape[-1], 1.0)).all()
 
 
 def test_uniforms_at_equal_the_full_table():
