@@ -8,7 +8,8 @@
 //       prints "token logprob" per row (logprob with 9 significant digits)
 //
 // The serial sampler makes the same decisions as csrc/sampler.cu (same keys, same radix digit choice, same
-// Philox lanes); only the order of the fp32 sums differs.
+// Philox lanes, same fixed-point top-p masses); only the order of the fp32 sums (the softmax normaliser)
+// differs.
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -38,7 +39,7 @@ static uint32_t radix_select(const std::vector<float>& z, uint32_t floor_key, fl
     for (size_t v = 0; v < z.size(); ++v) {
       uint32_t key = float_key(bits_of(z[v]));
       if (key >= floor_key && (key & mask) == prefix)
-        hist[(key >> shift) & 255u] += strict ? (W)(expf(z[v] - m) * inv_norm) : (W)1;
+        hist[(key >> shift) & 255u] += bitrl::selection_weight<W>(strict, z[v], m, inv_norm);
     }
     int d = bitrl::select_digit<W>(hist, &above, target, strict);
     prefix |= (uint32_t)d << shift;
@@ -69,7 +70,7 @@ static void sample_row(const float* logits, int vocab, float t, int top_k, float
     float s = 0.f;
     for (int v = 0; v < vocab; ++v)
       if (float_key(bits_of(z[v])) >= thr) s += expf(z[v] - m);
-    thr = radix_select<float>(z, thr, m, 1.f / s, top_p, true);
+    thr = radix_select<bitrl::Mass>(z, thr, m, 1.f / s, bitrl::mass_fixed(top_p), true);
   }
   float s = 0.f, best = -INFINITY;
   int idx = -1;

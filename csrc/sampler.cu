@@ -94,8 +94,7 @@ __device__ uint32_t radix_select(const T* row, int vocab, float temperature, uin
       float z = scaled(row, v, temperature);
       uint32_t key = bitrl::float_key(__float_as_uint(z));
       if (key >= floor_key && (key & prefix_mask) == prefix) {
-        W w = strict ? (W)(expf(z - m) * inv_norm) : (W)1;
-        atomicAdd(&hist[(key >> shift) & 255u], w);
+        atomicAdd(&hist[(key >> shift) & 255u], bitrl::selection_weight<W>(strict, z, m, inv_norm));
       }
     }
     __syncthreads();
@@ -121,7 +120,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float redv[kThreads / 32];
   __shared__ int redi[kThreads / 32];
   __shared__ uint32_t count_hist[256];
-  __shared__ float mass_hist[256];
+  __shared__ bitrl::Mass mass_hist[256];  // fixed point: the cut does not depend on the atomics' order
   __shared__ uint32_t shared_prefix[2];
   const int64_t r = blockIdx.x;
   const T* row = logits + r * (int64_t)vocab;
@@ -159,8 +158,8 @@ __global__ void __launch_bounds__(kThreads)
       if (bitrl::float_key(__float_as_uint(z)) >= thr) s += expf(z - m);
     }
     s = block_sum(s, redv);
-    thr = radix_select<T, float>(row, vocab, temperature, thr, m, 1.f / s, top_p, true, mass_hist,
-                                 shared_prefix);
+    thr = radix_select<T, bitrl::Mass>(row, vocab, temperature, thr, m, 1.f / s, bitrl::mass_fixed(top_p),
+                                       true, mass_hist, shared_prefix);
   }
 
   const uint64_t seed = (uint64_t)seeds[r], pos = (uint64_t)positions[r];

@@ -61,13 +61,25 @@ BITRL_HD float sample_uniform(uint64_t seed, uint64_t position, uint32_t v) {
 // Order-preserving map of fp32 bits to uint32 (a < b  <=>  key(a) < key(b); NaN excluded).
 BITRL_HD uint32_t float_key(uint32_t bits) { return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u); }
 
+// Top-p masses as fixed-point integers, in units of 2^-52 of the row's mass (p <= 1, so a row's total stays
+// far below 2^63): integer addition is associative, so the mass histogram, and with it the top-p cut and the
+// sampled token, do not depend on the order in which the threads add to it (float atomics would).
+typedef unsigned long long Mass;
+BITRL_HD Mass mass_fixed(float p) { return (Mass)((double)p * 4503599627370496.0 + 0.5); }
+
+// The weight of one candidate in a radix selection: a count (top-k) or its fixed-point mass (top-p).
+template <typename W>
+BITRL_HD W selection_weight(bool strict, float z, float m, float inv_norm) {
+  return strict ? (W)mass_fixed(expf(z - m) * inv_norm) : (W)1;
+}
+
 // One digit of a descending radix selection. hist[d] holds the weight (count or probability mass) of the
 // candidates whose current digit is d; `above` is the weight of everything already known to lie above the
 // candidates. Returns the highest digit d whose inclusive weight above + sum(hist[d..255]) reaches `target`
 // and adds the weight of the digits above d to `above`:
 //   top-k: weights are counts, target = k     -> the bucket holding the k-th largest value;
-//   top-p: weights are masses, target = top_p -> with `strict`, the lowest non-empty bucket whose strictly
-//          greater mass stays below top_p (the smallest kept probability).
+//   top-p: weights are masses (Mass), target = mass_fixed(top_p) -> with `strict`, the lowest non-empty
+//          bucket whose strictly greater mass stays below top_p (the smallest kept probability).
 template <typename W>
 BITRL_HD int select_digit(const W* hist, W* above, W target, bool strict) {
   W acc = *above;

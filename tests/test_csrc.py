@@ -270,6 +270,21 @@ def test_cuda_sampler_matches_reference(dtype, t, top_k, top_p):  # pragma: no c
     torch.testing.assert_close(lp.cpu()[same], ref_lp[same], rtol=1e-4, atol=1e-4)
 
 
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_sampler_is_deterministic():  # pragma: no cover - GPU only
+    """A sample depends only on (seed, sample id): repeated calls cut top-p at the same token (the mass
+    histogram is fixed point, so the order of the threads' atomic adds cannot move the cut)."""
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(64, 151936, generator=g) * 2).cuda()
+    seeds = torch.randint(0, 2**62, (64,), generator=g).cuda()
+    positions = torch.randint(0, 2**40, (64,), generator=g).cuda()
+    first = cuda_ext.fused_sample_cuda(logits, seeds, positions, 1.0, 0, 0.9)
+    for _ in range(20):
+        again = cuda_ext.fused_sample_cuda(logits, seeds, positions, 1.0, 0, 0.9)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
 # ------------------------------------------------------------------------------------------ FP4 GEMV
 
 
