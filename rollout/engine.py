@@ -281,6 +281,7 @@ class Decoder:
         self.head_dim = attn.head_dim
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         self.kv_heads = config.num_key_value_heads
+        self.heads = config.num_attention_heads
         self.dtype = self.inner.embed_tokens.weight.dtype
         self.device = self.inner.embed_tokens.weight.device
 
@@ -304,7 +305,14 @@ class Decoder:
         x = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(x, positions)
         cos, sin = cos[:, None], sin[:, None]
-        mask = visible[:, None]
+        # Grouped-query attention as one block of queries per KV head: query head h = j * group + g reads KV
+        # head j, so the [R, heads, T, d] queries view as [R, kv_heads, group * T, d]. No enable_gqa and no
+        # copy of the cache: a bool mask with enable_gqa leaves CUDA only the math kernel (its
+        # memory-efficient kernel takes masks but not GQA), which builds the [R, heads, T, W] scores.
+        group = self.heads // self.kv_heads
+        mask = (
+            visible[:, None, None].expand(rows, 1, group, steps, width).reshape(rows, 1, group * steps, width)
+        )
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -318,9 +326,9 @@ class Decoder:
             k = k * cos + _rotate_half(k) * sin
             cache.write(i, k, v, cols)
             keys, values = cache.read(i, width, q.dtype)
-            o = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
-            )
+            q = q.reshape(rows, self.kv_heads, group * steps, self.head_dim)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+            o = o.view(rows, self.heads, steps, self.head_dim)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(rows, steps, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.inner.norm(x)

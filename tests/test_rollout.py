@@ -290,3 +290,38 @@ def test_a_kv_cache_the_forward_ignored_is_an_error(tiny_qwen):
     used = DynamicCache(config=tiny_qwen.config)
     tiny_qwen(input_ids=ids, **with_cache(tiny_qwen, used))
     check_cache_filled(used, 3)
+
+
+def test_grouped_query_attention_keeps_the_fused_kernels(tiny_qwen, monkeypatch):
+    """The decoder's attention (4 query heads over 2 KV heads, a bool mask) is one query block per KV head:
+    no enable_gqa, whose pairing with a mask leaves CUDA only the math kernel, and a fused kernel chosen."""
+    import torch.nn.functional as F
+
+    from bitrl.rollout import engine
+
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        choice = torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, False, scale=kw.get("scale"))
+        calls.append((q.shape, k.shape, attn_mask.shape, kw, choice))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(engine.F, "scaled_dot_product_attention", spy)
+    generate(tiny_qwen, _prompts(), max_new_tokens=3, eos_id=2, pad_id=0, generator=torch.Generator())
+    assert calls
+    for q, k, mask, kw, choice in calls:
+        assert "enable_gqa" not in kw and q[1] == k[1] == 2, (q, k)  # [rows, kv heads, 2 * steps, d]
+        assert mask[2] == q[2] and mask[3] == k[2]
+        assert choice != 0, "the math kernel"  # torch.nn.attention.SDPBackend.MATH
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (SDPA's CUDA kernels)")
+def test_decoder_attention_runs_without_the_math_kernel_on_cuda(tiny_qwen):  # pragma: no cover - GPU only
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = tiny_qwen.cuda().to(torch.bfloat16)
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fused):  # the math kernel is not allowed: a fallback to it raises
+        r = generate(model, _prompts(), max_new_tokens=4, eos_id=2, pad_id=0, generator=torch.Generator())
+    assert r.response_ids.shape[0] == len(_prompts())
