@@ -319,7 +319,7 @@ def verification_cost(threads: int = 1, overrides: list[str] = (), reps: int = 2
     from bitrl.engine.evaluate import encode_prompts
     from bitrl.engine.loop import build
     from bitrl.engine.warmstart import warm_start
-    from bitrl.rollout.engine import generate, prefill_distinct
+    from bitrl.rollout.engine import decoder_for, distinct_prompts, engine_options, generate, prefill
     from bitrl.rollout.reuse import generate_with_drafts
 
     torch.set_num_threads(threads)
@@ -359,7 +359,13 @@ def verification_cost(threads: int = 1, overrides: list[str] = (), reps: int = 2
 
     fresh_ms, fresh = measure(lambda: generate(policy, prompts, **kw))
     reuse_ms, reuse = measure(lambda: generate_with_drafts(policy, prompts, drafts, **kw))
-    prefill_ms, _ = measure(lambda: prefill_distinct(policy, prompts, tokenizer.pad_token_id))
+    def prompt_prefill():  # what generate runs before its first token: each distinct prompt once
+        ids, mask, _ = distinct_prompts(prompts, tokenizer.pad_token_id, device)
+        options = engine_options(policy)
+        distinct = [p[m].tolist() for p, m in zip(ids, mask)]
+        prefill(decoder_for(policy), distinct, options.max_batch_rows, options.kv_cache_dtype)
+
+    prefill_ms, _ = measure(prompt_prefill)
     return {
         "device": str(device),
         "rows": len(prompts),
@@ -394,6 +400,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--verification-cost", action="store_true", help="only time a rollout whose drafts are all accepted"
     )
+    parser.add_argument("--reps", type=int, default=20, help="with --verification-cost: timed rollouts")
+    parser.add_argument(
+        "--json-line", metavar="PATH", help="with --verification-cost: also append it to PATH as one line"
+    )
     parser.add_argument(
         "--merge",
         nargs="+",
@@ -402,7 +412,11 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if args.verification_cost:
-        print(json.dumps(verification_cost(args.threads, args.set), indent=1))
+        result = verification_cost(args.threads, args.set, args.reps)
+        print(json.dumps(result, indent=1))
+        if args.json_line:
+            with open(args.json_line, "a") as f:
+                f.write(json.dumps(result) + "\n")
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,42 +1,73 @@
 #!/usr/bin/env bash
-# Every check that needs a CUDA GPU, in one run of at most 8 minutes on one H200, with its results in OUTDIR:
+# Every check that needs a CUDA GPU, in one run of at most 8 minutes on one H200 (the step limits add up to
+# 420 s), most valuable first, each result written the moment it exists:
+#   steps.jsonl           one line per step as it ends: name, limit, seconds, exit status, timed out
 #   gpu.txt               the device and the versions used
-#   tests.log             the GPU test suite: compiled Triton kernels (no interpreter) against their references,
-#                         the CUDA C++ kernels (fused sampler, FP4 GEMV) against their torch twins, FP8
-#                         _scaled_mm, W4A16, native FP4 on Blackwell, the bf16-autocast end-to-end run
-#   kernel_resources.json registers / spills / shared memory of every Triton specialization (sm_90, sm_100)
+#   prepare.json          the CUDA C++ kernels built once for this GPU into the kernel cache, which every later
+#                         step (the test suite included) loads instead of building again
+#   tests.jsonl           one line per GPU test as it ends (tests.log: pytest's own output): compiled Triton
+#                         kernels (no interpreter) against their references, the CUDA C++ kernels (fused
+#                         sampler, FP4 GEMV) against their torch twins, FP8 _scaled_mm, W4A16, native FP4 on
+#                         Blackwell, the decoder's attention kernels, the bf16-autocast end-to-end run
 #   bench_kernels/        fused GRPO loss at N=16384 H=4096 V=151936 bf16: TFLOP/s, fraction of the measured
 #                         bf16 matmul roofline, ratio to Liger-Kernel (results.json, table.md)
 #   quant/                quantize / dequantize / FP4 GEMV GB/s and fraction of HBM bandwidth, matmuls,
 #                         requantize time (gpu_quant.json, gpu_quant.txt)
-#   summary.json / .md    the README's GPU rows and the issue's GPU goals, read from the files above
 #   decode.json           the rollout engine's decode step against (weight + KV bytes) / HBM bandwidth for a
 #                         Qwen2-0.5B-shaped bf16 model at batch 64, and its NVFP4 (W4A16) / FP8 (W8A8) copies
-#   verify.jsonl          speculative-reuse verification cost (`bitrl train` on CUDA runs in the test suite)
-# Usage: benchmarks/gpu_check.sh OUTDIR   (PYTHON=... picks the interpreter; GPU_CHECK_DRY_RUN=1 prints the
-# steps with their time limits and runs nothing. Each step's failure is logged and the next step still runs;
-# the exit status is that of the test suite.) The step limits add up to 450 s.
+#   verify.jsonl          speculative-reuse verification cost, one line per setting (no warm start)
+#   kernel_resources.json registers / spills / shared memory of every Triton specialization (sm_90, sm_100)
+#   summary.json / .md    the README's GPU rows and the issues' GPU goals, read from the files above
+# Usage: benchmarks/gpu_check.sh OUTDIR   (PYTHON=... picks the interpreter.)
+#   GPU_CHECK_DRY_RUN=1    print the steps with their limits; run nothing, write nothing.
+#   GPU_CHECK_REHEARSAL=1  run every step here, on the CPU, at its smallest setting, under the same limits:
+#                          proves that each starts and writes its JSON in time (CI runs it).
+# A failed or timed-out step is recorded and the next one still runs; the exit status is the test suite's.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUTDIR}
 py=${PYTHON:-python3}
 dry=${GPU_CHECK_DRY_RUN:-0}
-mkdir -p "$out"
-scratch=$(mktemp -d)  # warm-start cache and run folders: only the summaries above go to OUTDIR
+rehearsal=${GPU_CHECK_REHEARSAL:-0}
+scratch=$(mktemp -d)  # warm-start cache and run folders: only the results above go to OUTDIR
 trap 'rm -rf "$scratch"' EXIT
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 BITRL_CACHE=${BITRL_CACHE:-$scratch/cache}
+export BITRL_KERNEL_CACHE=${BITRL_KERNEL_CACHE:-$BITRL_CACHE/csrc}  # shared with the test suite's isolated caches
+[ "$dry" = "0" ] && mkdir -p "$out"
 budget=0
+status=0
 
-# step SECONDS LOGFILE COMMAND...: run COMMAND under a time limit, its output appended to LOGFILE
+# step NAME SECONDS COMMAND...: COMMAND under a time limit, its output in NAME.log; one line in steps.jsonl.
 step() {
-  local limit=$1 log=$2
+  local name=$1 limit=$2
   shift 2
   budget=$((budget + limit))
   if [ "$dry" != "0" ]; then
-    echo "step ${limit}s -> ${log#"$out"/}: $*"
+    echo "step ${limit}s ${name}: $*"
     return 0
   fi
-  timeout "$limit" "$@" >>"$log" 2>&1
+  local t0=$EPOCHREALTIME rc
+  timeout "$limit" "$@" >>"$out/$name.log" 2>&1
+  rc=$?
+  awk -v n="$name" -v l="$limit" -v s="$(awk "BEGIN {print $EPOCHREALTIME - $t0}")" -v rc="$rc" 'BEGIN {
+    printf "{\"step\": \"%s\", \"limit_s\": %d, \"seconds\": %.1f, \"rc\": %d, \"timed_out\": %s}\n",
+      n, l, s, rc, (rc == 124 ? "true" : "false") }' >>"$out/steps.jsonl"
+  return $rc
 }
+
+# The settings that differ in a rehearsal: the same entry points at their smallest sizes, on the CPU.
+if [ "$rehearsal" != "0" ]; then
+  test_select=(-m gpu)                     # every GPU test starts (and skips with its reason)
+  aot=(--only _logprob_rows_fwd --workers 1)
+  decode=(--tiny --device cpu --reps 1 --new-tokens 4 --precisions full)
+  tiny_demo="model.hidden_size=32 model.intermediate_size=64 model.num_layers=1 rollout.prompts_per_step=4"
+  verify_reps=2
+else
+  test_select=()
+  aot=()
+  decode=(--precisions full nvfp4 fp8 --reps 1 --new-tokens 64)
+  tiny_demo=""
+  verify_reps=20
+fi
 
 if [ "$dry" = "0" ]; then
   {
@@ -49,42 +80,41 @@ if [ "$dry" = "0" ]; then
   $py -c "import bitrl" 2>/dev/null || $py -m pip install -q --no-deps --no-build-isolation -e .
 fi
 
+step prepare 35 $py -m bitrl.kernels.cuda_ext "$out/prepare.json"
+
 # The GPU suite must not fall back to the interpreter.
 unset TRITON_INTERPRET
 gpu_tests=(
   tests/test_csrc.py tests/test_kernels_gpu_paths.py tests/test_quant_linear.py tests/test_quant_triton.py
   tests/test_kernels_fused_logprobs.py tests/test_kernels_fused_linear.py tests/test_kernels_policy_loss.py
-  tests/test_kernels_loss_naive.py tests/test_kernels_helpers.py "tests/test_end_to_end.py::test_short_run_on_cuda"
+  tests/test_kernels_loss_naive.py tests/test_kernels_helpers.py tests/test_sampling.py tests/test_rollout.py
+  "tests/test_end_to_end.py::test_short_run_on_cuda"
 )
-step 180 "$out/tests.log" $py -m pytest -q "${gpu_tests[@]}" -p no:cacheprovider -rs
+step tests 160 env BITRL_TEST_JSONL="$out/tests.jsonl" $py -m pytest -q "${gpu_tests[@]}" "${test_select[@]}" \
+  -p no:cacheprovider -rs
 status=$?
-[ "$dry" = "0" ] && cat "$out/tests.log"
-
-# Every Triton specialization compiled for sm_90 and sm_100 (the CPU-side check, here on more cores).
-step 45 "$out/compile.log" $py -m bitrl.quant.aot "$out/kernel_resources.json"
 
 # Fused loss at the GPU target shape (the CPU section at its quick size only, to save time).
-step 70 "$out/bench_kernels.log" $py -m bitrl.kernels.bench --quick --no-memory --ops grpo --reps 3 \
-  --out "$out/bench_kernels"
-step 55 "$out/quant.log" $py benchmarks/bench_quant.py --gpu-out "$out/quant"
-# The rollout engine's decode step (CUDA graphs) against (weight + KV bytes) / HBM bandwidth, Qwen2-0.5B shape.
-step 50 "$out/decode.log" $py benchmarks/bench_decode.py --precisions full nvfp4 fp8 --reps 1 --new-tokens 64 \
-  --out "$out/decode.json"
-step 5 "$out/summary.log" $py benchmarks/gpu_summary.py "$out"
+step bench_kernels 55 $py -m bitrl.kernels.bench --quick --no-memory --ops grpo --reps 3 --out "$out/bench_kernels"
+step quant 45 $py benchmarks/bench_quant.py --gpu-out "$out/quant"
+# The rollout engine's decode step against (weight + KV bytes) / HBM bandwidth, Qwen2-0.5B shape.
+step decode 40 $py benchmarks/bench_decode.py "${decode[@]}" --out "$out/decode.json"
 
-# One JSON line per setting: the demo; long responses (untrained model) for 256 rows; and a
-# 150M-parameter bf16 model with long responses, where decoding is bound by memory traffic, not arithmetic.
-long="warmstart.steps=0 rollout.max_new_tokens=256"
+# One JSON line per setting, no warm start: the demo model; long responses for 256 rows; and a 150M-parameter
+# bf16 model with long responses, where decoding is bound by memory traffic, not arithmetic.
+long="rollout.max_new_tokens=256"
 big="model.hidden_size=1024 model.intermediate_size=2816 model.num_layers=12 model.num_heads=16"
 big="$big model.num_kv_heads=4 model.dtype=bfloat16"
+[ "$rehearsal" != "0" ] && long="rollout.max_new_tokens=8 $tiny_demo" && big=""
 for setting in "" "$long" "$long $big"; do
   # shellcheck disable=SC2086  # each setting is a list of overrides
-  step 15 "$scratch/verify.line" $py benchmarks/bench_reuse.py --verification-cost --set $setting
-  if [ "$dry" = "0" ]; then
-    tr -d '\n' <"$scratch/verify.line" >>"$out/verify.jsonl" && echo >>"$out/verify.jsonl"
-    rm -f "$scratch/verify.line"
-  fi
+  step verify 15 $py benchmarks/bench_reuse.py --verification-cost --reps "$verify_reps" \
+    --json-line "$out/verify.jsonl" --set warmstart.steps=0 $setting
 done
+
+# Every Triton specialization compiled for sm_90 and sm_100 (also checked on CPU by the test suite).
+step aot 35 $py -m bitrl.quant.aot "$out/kernel_resources.json" "${aot[@]}"
+step summary 4 $py benchmarks/gpu_summary.py "$out"
 
 [ "$dry" != "0" ] && echo "total limit ${budget}s"
 exit "$status"

@@ -25,6 +25,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("BITRL_CACHE", Path.home() / ".cache" / "bitrl"))
 
 
+def kernel_cache_root() -> Path:
+    """Where compiled C++/CUDA libraries go: ``$BITRL_KERNEL_CACHE``, default ``cache_root() / "csrc"``.
+    Each library's folder is named by the hash of its sources and flags, so one folder can serve runs with
+    different caches (the GPU check builds once and its test suite, whose warm starts are isolated, reuses
+    the build)."""
+    return Path(os.environ.get("BITRL_KERNEL_CACHE") or cache_root() / "csrc")
+
+
 try:  # Triton is optional: `import bitrl.kernels` must work without it.
     import triton  # noqa: F401
     import triton.language as tl  # noqa: F401

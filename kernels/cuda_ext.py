@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ._common import cache_root
+from ._common import kernel_cache_root
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ("sampler.cu", "fp4_gemv.cu")
@@ -101,7 +101,7 @@ def load_library() -> ctypes.CDLL:
     digest = hashlib.sha256()
     for p in sorted(CSRC.glob("*.[ch]*")):
         digest.update(p.read_bytes())
-    out = cache_root() / "csrc" / f"{digest.hexdigest()[:16]}-{arch}"
+    out = kernel_cache_root() / f"{digest.hexdigest()[:16]}-{arch}"
     lib = out / "libbitrl_kernels.so"
     if not lib.exists():
         build_library(out, (arch,))
@@ -165,3 +165,33 @@ def fused_sample_cuda(logits, seeds, positions, temperature=1.0, top_k=0, top_p=
     )
     check_status(code, "bitrl_fused_sample")
     return tokens, logprobs
+
+
+def main(argv=None) -> int:
+    """``python -m bitrl.kernels.cuda_ext OUT.json``: build the kernels for the local GPU into the kernel cache
+    (once; later runs and tests load that build) and write what happened as JSON: built, the library's path,
+    or why not (no CUDA device, no nvcc, a failed build)."""
+    import json
+    import sys
+    import time
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m bitrl.kernels.cuda_ext OUT.json", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    result = {"built": False, "library": None, "reason": cuda_unavailable_reason()}
+    if result["reason"] is None:
+        try:
+            lib = load_library()
+            result.update(built=True, library=getattr(lib, "_name", None))
+        except (RuntimeError, OSError) as err:
+            result["reason"] = str(err)[-2000:]
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    Path(argv[0]).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0 if result["built"] or not torch.cuda.is_available() else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Build and load bitrl's host (CPU) C++ helpers (``csrc/*_host.cc``): the system C++ compiler + ctypes.
 
-They are plain C++ over raw pointers, built once per source hash into the bitrl cache (``$BITRL_CACHE``,
-default ``~/.cache/bitrl``). Where no compiler exists, or ``BITRL_HOST_EXT=0``, `load_host_library` returns
+They are plain C++ over raw pointers, built once per source hash into the kernel cache
+(``kernel_cache_root()``: ``$BITRL_KERNEL_CACHE``, default ``~/.cache/bitrl/csrc``). Where no compiler exists, or ``BITRL_HOST_EXT=0``, `load_host_library` returns
 None and callers keep their torch formula (the semantics; the tests check both give the same bits).
 """
 
@@ -16,7 +16,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from ._common import cache_root
+from ._common import kernel_cache_root
 from .cuda_ext import CSRC
 
 HOST_SOURCES = ("sampler_host.cc", "softmax_tile_host.cc")
@@ -79,7 +79,7 @@ def load_host_library() -> ctypes.CDLL | None:
         digest = hashlib.sha256(" ".join(CXX_FLAGS + OPENMP_FLAGS).encode())
         for name in (*HOST_SOURCES, *HEADERS):
             digest.update((CSRC / name).read_bytes())
-        lib = cache_root() / "csrc" / f"host-{digest.hexdigest()[:16]}" / "libbitrl_host.so"
+        lib = kernel_cache_root() / f"host-{digest.hexdigest()[:16]}" / "libbitrl_host.so"
         if not lib.exists():
             build_host_library(lib)
         _LIB = ctypes.CDLL(str(lib))

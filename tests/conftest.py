@@ -1,4 +1,5 @@
 import importlib
+import json
 import os
 
 import pytest
@@ -124,6 +125,22 @@ def save_tiny_hf_model(directory):
 def hf_model_dir(tmp_path):
     save_tiny_hf_model(tmp_path / "model")
     return tmp_path / "model"
+
+
+def pytest_runtest_logreport(report):
+    """With ``$BITRL_TEST_JSONL`` set, one JSON line per test as it ends: its outcome, seconds and, for a
+    skip or a failure, why (the GPU check keeps every result even when its time runs out mid-suite)."""
+    path = os.environ.get("BITRL_TEST_JSONL")
+    if not path or not (report.when == "call" or report.outcome != "passed"):
+        return
+    line = {"test": report.nodeid, "when": report.when, "outcome": report.outcome}
+    line["seconds"] = round(report.duration, 3)
+    if report.skipped and isinstance(report.longrepr, tuple):
+        line["why"] = report.longrepr[2]
+    elif report.failed:
+        line["why"] = report.longreprtext[-1500:]
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def pytest_report_header(config):

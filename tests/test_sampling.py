@@ -172,6 +172,7 @@ def test_a_broken_host_build_warns_once_and_falls_back(broken, tmp_path, monkeyp
     monkeypatch.setattr(host_ext, "_TRIED", False)
     monkeypatch.setattr(host_ext, "_LIB", None)
     monkeypatch.setenv("BITRL_CACHE", str(tmp_path / "cache"))  # nothing built before
+    monkeypatch.delenv("BITRL_KERNEL_CACHE", raising=False)
     if broken == "failing compiler":
         monkeypatch.setenv("CXX", shutil.which("false"))
     else:
