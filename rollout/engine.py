@@ -137,7 +137,8 @@ class EngineOptions:
     holds the same fields). max_batch_rows: rows decoding at once; kv_cache_dtype: "auto" (the model's
     dtype) or "fp8" (E4M3, values clamped to +-448); compile: torch.compile the decode step ("auto": on CUDA
     only: on the 2-core CPU the compiled step ran at 0.94x the eager one, SmolLM2-135M bf16 at 64 rows, see
-    README; a compiled step keeps one shape, so finished slots are recycled but the batch never shrinks);
+    README; a compiled step keeps max_batch_rows slots at a power-of-two width, so rollouts of any size share
+    its graphs, finished slots are recycled and the batch never shrinks);
     sync_every: decode steps between host looks at the finished rows (None: 1 on CPU, where a look costs
     nothing, 8 on CUDA)."""
 
@@ -422,7 +423,10 @@ class Contexts:
 class Slots:
     """The rows decoding now: a slot cache [S, ..., C + R] and per-slot state, all on the device."""
 
-    def __init__(self, decoder: Decoder, ctx: Contexts, slots: int, width: int, kv_cache_dtype: str):
+    def __init__(
+        self, decoder: Decoder, ctx: Contexts, slots: int, width: int, kv_cache_dtype: str, static=False
+    ):
+        """static: mark every buffer as a static address (for a compiled step; see `static_addresses`)."""
         device = decoder.device
         self.cache = decoder.new_cache(slots, width, kv_cache_dtype)
         self.context_width = ctx.visible.shape[1]
@@ -438,6 +442,8 @@ class Slots:
             zeros.clone(),
         )
         self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
+        if static:
+            static_addresses(self)
         self.steps_host = [0] * slots  # tokens decoded since admission, per slot (host mirror, no sync)
 
     def admit(self, slots: torch.Tensor, samples: torch.Tensor, ctx: Contexts, num_samples: int) -> None:
@@ -514,10 +520,11 @@ class Outputs:
         return Outputs(*(None if t is None else t[:-1] for t in self.__dict__.values()))
 
 
-def decode_step(decoder: Decoder, st: Slots, out: Outputs, sampling: Sampling, width: int):
-    """One token for every slot, on the device only: forward the fed tokens, sample the next ones, record
-    them for the live slots (finished or empty slots write to the spare last row of the outputs), and mark
-    the slots that just finished (EOS or budget)."""
+def next_tokens(decoder: Decoder, st: Slots, sampling: Sampling, width: int):
+    """The model part of a decode step, on the device only: forward the fed token of every slot (its K/V
+    into the slot cache) and sample the next ones. Returns (tokens [S] int64, logprobs [S] fp32, logits
+    [S, V]). Every tensor it reads or writes is a slot buffer, so under torch.compile its shapes are the
+    slots' alone: one graph per (model, sampling settings, width)."""
     rows = torch.arange(st.column.shape[0], device=st.column.device)
     column = st.column.clamp(max=st.cache.columns - 1)  # slots finished but not yet recycled keep going
     st.visible[rows, column] = True
@@ -526,6 +533,14 @@ def decode_step(decoder: Decoder, st: Slots, out: Outputs, sampling: Sampling, w
     )
     logits = decoder.logits(hidden[:, -1])
     tok, lp = sampling.draw(logits, st.seed, st.counter)
+    return tok, lp, logits
+
+
+def decode_step(decoder: Decoder, st: Slots, out: Outputs, sampling: Sampling, width: int, model_part):
+    """One token for every slot: `model_part` (`next_tokens`, or its compiled form), then record the tokens
+    for the live slots (finished or empty slots write to the spare last row of the outputs) and mark the
+    slots that just finished (EOS or budget)."""
+    tok, lp, logits = model_part(decoder, st, sampling, width)
     spare = out.tokens.shape[0] - 1
     out_row = torch.where(st.alive, st.sample, spare)
     out_col = st.done.clamp(max=out.tokens.shape[1] - 1)
@@ -551,22 +566,25 @@ def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineO
     device = decoder.device
     longest = int(ctx.budget.max())
     out = Outputs.empty(n, longest, sampling.keep_topk, device)
-    slots = min(options.max_batch_rows, n)
-    st = Slots(decoder, ctx, slots, ctx.visible.shape[1] + longest, options.kv_cache_dtype)
+    model_part = _compiled_next_tokens(options, device)
+    compiled = model_part is not next_tokens
+    columns = ctx.visible.shape[1] + longest
+    if compiled:  # one graph per shape: always max_batch_rows slots, the width rounded up to a power of two
+        slots, columns = options.max_batch_rows, compiled_width(columns)
+    else:
+        slots = min(options.max_batch_rows, n)
+    st = Slots(decoder, ctx, slots, columns, options.kv_cache_dtype, static=compiled)
     sync_every = options.sync_every or (8 if device.type == "cuda" else 1)
-    step = _compiled_step(options, device)
     waiting = deque(range(n))
-    first = [waiting.popleft() for _ in range(slots)]
-    st.admit(torch.arange(slots, device=device), torch.tensor(first, device=device), ctx, n)
+    first = [waiting.popleft() for _ in range(min(slots, n))]
+    st.admit(torch.arange(len(first), device=device), torch.tensor(first, device=device), ctx, n)
     since_sync = steps = 0
     while True:
         # eager: attend over the columns in use only; compiled: one fixed shape (no recompilation per width)
         width = (
-            st.cache.columns
-            if step is not decode_step
-            else min(st.context_width + max(st.steps_host) + 1, st.cache.columns)
+            st.cache.columns if compiled else min(st.context_width + max(st.steps_host) + 1, st.cache.columns)
         )
-        step(decoder, st, out, sampling, width)
+        decode_step(decoder, st, out, sampling, width, model_part)
         st.steps_host = [s + 1 for s in st.steps_host]
         since_sync += 1
         steps += 1
@@ -585,23 +603,51 @@ def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineO
                 break
             # Eager: decode the live rows only (a finished row costs as much as a live one where the step is
             # compute-bound, as on a CPU). Compiled: one shape, no shrinking.
-            if live < len(alive) and step is decode_step:
+            if live < len(alive) and not compiled:
                 st.compact_(alive, width)
     return out.without_spare(), steps
 
 
-def _compiled_step(options: EngineOptions, device):
+def compiled_width(columns: int) -> int:
+    """The cache width of a compiled decode step: `columns` rounded up to a power of two (at least 64), so
+    that rollouts of any prompt length and budget share a handful of graphs."""
+    return max(64, 1 << (columns - 1).bit_length())
+
+
+def static_addresses(state) -> None:
+    """Mark the persistent buffers of `state` (a Slots or KVCache) as static for torch.compile: the step
+    mutates them in place, which CUDA graphs allow for static inputs only (any other mutated input makes
+    inductor skip the graph)."""
+    for value in vars(state).values():
+        if isinstance(value, torch.Tensor):
+            torch._dynamo.mark_static_address(value)
+        elif isinstance(value, list):  # the cache's per-layer K and V
+            for t in value:
+                if isinstance(t, torch.Tensor):
+                    torch._dynamo.mark_static_address(t)
+        elif isinstance(value, KVCache):
+            static_addresses(value)
+
+
+# Guarded per graph: the model, the sampling settings and the width bucket. A run meets a few of each (the
+# rollout copy and the policy, sampling and greedy evaluation); past the limit torch.compile would fall back
+# to eager without saying so, and the tests count the graphs.
+COMPILED_STEP_GRAPHS = 64
+
+
+def _compiled_next_tokens(options: EngineOptions, device):
     use = options.compile if options.compile != "auto" else device.type == "cuda"
     if not use:
-        return decode_step
-    global _COMPILED_STEP
-    if _COMPILED_STEP is None:
+        return next_tokens
+    global _COMPILED_NEXT_TOKENS
+    if _COMPILED_NEXT_TOKENS is None:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_STEP_GRAPHS)
         mode = "reduce-overhead" if device.type == "cuda" else None
-        _COMPILED_STEP = torch.compile(decode_step, mode=mode, dynamic=False)
-    return _COMPILED_STEP
+        _COMPILED_NEXT_TOKENS = torch.compile(next_tokens, mode=mode, dynamic=False)
+    return _COMPILED_NEXT_TOKENS
 
 
-_COMPILED_STEP = None
+_COMPILED_NEXT_TOKENS = None
 
 
 # --------------------------------------------------------------------------- generate

@@ -130,6 +130,42 @@ def test_the_compiled_decode_step_returns_the_eager_samples(tiny_qwen):
         set_engine_options(tiny_qwen)
 
 
+def test_the_compiled_decode_step_compiles_once_for_many_rollouts(tiny_qwen, monkeypatch):
+    """Rollouts of other batch sizes, prompt lengths and budgets reuse the compiled graphs of the first (a
+    fixed slot count, the width rounded up to a power of two): a recompile per call would exhaust
+    torch.compile's limit and silently fall back to eager. Counted with torch's own compile counter on a CPU
+    backend."""
+    from torch._dynamo.testing import CompileCounter
+
+    from bitrl.rollout import engine
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(engine.next_tokens, backend=counter, dynamic=False)  # as the engine compiles it
+    monkeypatch.setattr(engine, "_COMPILED_NEXT_TOKENS", compiled)
+    set_engine_options(tiny_qwen, max_batch_rows=8, compile=True)
+    prompts = _prompts()
+    try:
+        frames = []
+        for rows, new_tokens in ((3, 4), (12, 9), (5, 20), (1, 2)):
+            batch = [prompts[i % len(prompts)][: 2 + i % 3] for i in range(rows)]
+            r = generate(tiny_qwen, batch, max_new_tokens=new_tokens, eos_id=2, pad_id=0)
+            assert r.response_ids.shape[0] == rows
+            frames.append(counter.frame_count)
+        assert frames[0] > 0 and frames == [frames[0]] * 4, frames  # nothing recompiled
+        generate(tiny_qwen, prompts, max_new_tokens=60, eos_id=2, pad_id=0)  # past 64 columns: one more
+        assert frames[0] < counter.frame_count <= 2 * frames[0]
+    finally:
+        set_engine_options(tiny_qwen)
+        torch._dynamo.reset()
+
+
+def test_compiled_widths_are_powers_of_two():
+    from bitrl.rollout.engine import compiled_width
+
+    assert [compiled_width(c) for c in (1, 64, 65, 128, 129, 1000)] == [64, 64, 128, 128, 256, 1024]
+
+
 def test_a_sample_depends_on_its_id_not_on_its_batch(tiny_qwen):
     """Shared-prefix groups equal separately prefilled prompts, and a subset of the rows with their global
     sample ids (another rank's share, another batch) draws the same samples."""
@@ -325,3 +361,22 @@ def test_decoder_attention_runs_without_the_math_kernel_on_cuda(tiny_qwen):  # p
     with sdpa_kernel(fused):  # the math kernel is not allowed: a fallback to it raises
         r = generate(model, _prompts(), max_new_tokens=4, eos_id=2, pad_id=0, generator=torch.Generator())
     assert r.response_ids.shape[0] == len(_prompts())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
+def test_the_compiled_decode_step_runs_as_cuda_graphs(tiny_qwen):  # pragma: no cover - GPU only
+    """mode="reduce-overhead" takes its CUDA graphs: the step mutates only static slot buffers (a mutated
+    non-static input would make inductor skip the graph, and count the skip)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_qwen.cuda()
+    set_engine_options(model, max_batch_rows=8, compile=True)
+    try:
+        for rows in (3, 8, 5):
+            generate(model, _prompts()[:1] * rows, max_new_tokens=6, eos_id=2, pad_id=0)
+        assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    finally:
+        set_engine_options(model)

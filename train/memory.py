@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bitrl.rollout.engine import compiled_width
+
 GiB = 1024**3
 REFUSE_FRACTION = 0.95
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -225,8 +227,15 @@ def plan_memory(
     rows = math.ceil(rollout.prompts_per_step * rollout.group_size / world_size)
     seq = prompt_tokens + rollout.max_new_tokens
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * rollout_bytes
-    # plus each row's fp32 logits and sampling probabilities at one position
-    parts["kv_cache"] = rows * seq * kv_per_token + rows * shape.vocab * 4 * 2
+    # The decoding slots: a compiled step keeps max_batch_rows of them at a power-of-two width (one graph
+    # per shape), an eager one at most that many, as wide as needed.
+    compiled = rollout.compile is True or (rollout.compile == "auto" and device_type == "cuda")
+    slots = rollout.max_batch_rows if compiled else min(rows, rollout.max_batch_rows)
+    slot_seq = compiled_width(seq) if compiled else seq
+    # plus each distinct prompt prefilled once, and each row's fp32 logits and sampling probabilities at one
+    # position
+    prompts = math.ceil(rollout.prompts_per_step / world_size)
+    parts["kv_cache"] = (prompts * prompt_tokens + slots * slot_seq) * kv_per_token + rows * shape.vocab * 8
 
     # Activations of one micro-batch of the update.
     minibatch_rows = math.ceil(rows / train.minibatches)
