@@ -168,9 +168,9 @@ def fused_sample_cuda(logits, seeds, positions, temperature=1.0, top_k=0, top_p=
 
 
 def main(argv=None) -> int:
-    """``python -m bitrl.kernels.cuda_ext OUT.json``: build the kernels for the local GPU into the kernel cache
-    (once; later runs and tests load that build) and write what happened as JSON: built, the library's path,
-    or why not (no CUDA device, no nvcc, a failed build)."""
+    """``python -m bitrl.kernels.cuda_ext OUT.json``: build the kernels for the local GPU into the kernel
+    cache (once; later runs and tests load that build) and write what happened as JSON: built, the
+    library's path, or why not (no CUDA device, no nvcc, a failed build)."""
     import json
     import sys
     import time

@@ -1,8 +1,9 @@
 """Build and load bitrl's host (CPU) C++ helpers (``csrc/*_host.cc``): the system C++ compiler + ctypes.
 
 They are plain C++ over raw pointers, built once per source hash into the kernel cache
-(``kernel_cache_root()``: ``$BITRL_KERNEL_CACHE``, default ``~/.cache/bitrl/csrc``). Where no compiler exists, or ``BITRL_HOST_EXT=0``, `load_host_library` returns
-None and callers keep their torch formula (the semantics; the tests check both give the same bits).
+(``kernel_cache_root()``: ``$BITRL_KERNEL_CACHE``, default ``~/.cache/bitrl/csrc``). Where no compiler
+exists, or ``BITRL_HOST_EXT=0``, `load_host_library` returns None and callers keep their torch formula (the
+semantics; the tests check both give the same bits).
 """
 
 from __future__ import annotations
