@@ -64,13 +64,15 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return f"triton kernels need CUDA tensors (got {device.type}); set TRITON_INTERPRET=1 to interpret on CPU"
 
 
-def resolve_impl(impl: str | None, device: torch.device, *, op: str) -> str:
-    """Pick the implementation for an op: explicit keyword, then ``BITRL_KERNEL_IMPL``, then by device."""
+def resolve_impl(impl: str | None, device: torch.device, *, op: str, dtype: torch.dtype | None = None) -> str:
+    """Pick the implementation for an op: explicit keyword, then ``BITRL_KERNEL_IMPL``, then by device.
+    ``dtype``: the inputs' float dtype. The Triton kernels compute in fp32, so fp64 inputs take the torch path
+    (computed in fp64) by default, and an explicit ``impl="triton"`` for them is an error."""
     explicit = impl is not None
     if impl is None:
         impl = os.environ.get(ENV_IMPL) or None
     if impl is None:
-        if device.type == "cuda" and triton_unavailable_reason(device) is None:
+        if device.type == "cuda" and triton_unavailable_reason(device) is None and dtype != torch.float64:
             return "triton"
         return "torch"
     impl = str(impl).lower()
@@ -78,6 +80,8 @@ def resolve_impl(impl: str | None, device: torch.device, *, op: str) -> str:
         src = "impl" if explicit else ENV_IMPL
         raise ValueError(f"{src}: unknown implementation {impl!r} for {op}; choose one of {IMPLS}")
     if impl == "triton":
+        if dtype == torch.float64:
+            raise ValueError(f"{op}: impl='triton' computes in fp32; fp64 inputs run on impl='torch'")
         reason = triton_unavailable_reason(device)
         if reason is not None:
             raise RuntimeError(f"{op}: impl='triton' was requested but {reason}")

@@ -25,6 +25,13 @@ MAX_ROWS = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+def aligned(t: torch.Tensor, alignment: int) -> torch.Tensor:
+    """``t`` itself, or a copy of it at an address that is a multiple of ``alignment`` bytes (a view at an odd
+    offset into a larger buffer is contiguous yet unaligned; a fresh allocation is aligned to 64 bytes or
+    more)."""
+    return t if t.data_ptr() % alignment == 0 else t.clone()
+
+
 def _scale_values(scale: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "mxfp4":
         b = scale.contiguous().view(torch.uint8).to(torch.int32)
@@ -94,7 +101,7 @@ def fp4_gemv(x, packed, scale, fmt: str, *, k: int, tensor_scale=None, impl: str
     lib = load_library()
     n = packed.shape[0]
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    x, packed = x.contiguous(), packed.contiguous()
+    x, packed = x.contiguous(), aligned(packed.contiguous(), 8)  # the kernel loads 8 packed bytes at once
     s = scale.contiguous().view(torch.uint8)
     stream = stream_handle(x.device)
     if fmt == "mxfp4":

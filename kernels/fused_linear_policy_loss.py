@@ -408,7 +408,7 @@ def fused_linear_policy_loss(
     else:
         check_tensor("mask", mask, shape=(B, T), device=h2.device)
         mask = (mask != 0) & tmask
-    impl = resolve_impl(impl, h2.device, op="fused_linear_policy_loss")
+    impl = resolve_impl(impl, h2.device, op="fused_linear_policy_loss", dtype=h2.dtype)
     if impl == "reference":
         return fused_linear_policy_loss_reference(
             hidden,

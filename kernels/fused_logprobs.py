@@ -1278,7 +1278,7 @@ def fused_logprobs(
         entropy gradient is only computed when the entropy is used by the loss.
     """
     inv_t = validate_linear_inputs(hidden, weight, targets, bias, temperature, check_finite=check_finite)
-    impl = resolve_impl(impl, hidden.device, op="fused_logprobs")
+    impl = resolve_impl(impl, hidden.device, op="fused_logprobs", dtype=hidden.dtype)
     if impl == "reference":
         lp, ent = fused_logprobs_reference(
             hidden,

@@ -809,7 +809,7 @@ def policy_loss(
         bad = ~torch.isfinite(entropy.detach()) & (plan.mask > 0)
         if bool(bad.any()):
             raise ValueError("entropy: non-finite value(s) at unmasked positions")
-    impl = resolve_impl(impl, dev, op="policy_loss")
+    impl = resolve_impl(impl, dev, op="policy_loss", dtype=logprobs.dtype)
     if impl == "triton" and triton_supported(plan) is not None:
         impl = "torch"  # documented fallback for sequence-level losses
     if impl == "reference":

@@ -306,6 +306,20 @@ def test_fp4_gemv_twin_matches_quant_dequantize(fmt, m, k, dtype):
     assert torch.equal(fp4_gemv(x, qt.data, qt.scale, fmt, k=k, tensor_scale=qt.tensor_scale), got)
 
 
+def test_packed_weights_reach_the_kernel_aligned():
+    """The FP4 GEMV kernel loads 8 packed bytes at a time: a contiguous view at an odd offset into a larger
+    buffer is copied to an aligned address first (same bytes), an aligned one passes as it is."""
+    from bitrl.kernels.fp4_gemv import aligned
+
+    buf = torch.arange(1 + 4 * 16, dtype=torch.uint8)
+    view = buf[1:].view(4, 16)
+    assert view.is_contiguous() and view.data_ptr() % 8 != 0
+    fixed = aligned(view, 8)
+    assert fixed.data_ptr() % 8 == 0 and torch.equal(fixed, view)
+    fresh = torch.zeros(4, 16, dtype=torch.uint8)
+    assert aligned(fresh, 8) is fresh
+
+
 def test_fp4_gemv_rejects_bad_input():
     from bitrl.quant import quantize
 

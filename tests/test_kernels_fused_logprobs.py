@@ -475,6 +475,27 @@ def test_nan_input_shows_in_the_outputs_or_raises(impl, where, monkeypatch):
     assert torch.isnan(ww.grad).any()
 
 
+def test_fp64_is_computed_in_fp64_never_in_the_fp32_kernels():
+    """The Triton row kernels compute in fp32: fp64 inputs take the torch path by default (on CUDA too), and
+    asking for the kernels with fp64 is an error naming why."""
+    from bitrl.kernels._common import resolve_impl
+
+    cuda = torch.device("cuda")
+    assert resolve_impl(None, cuda, op="fused_logprobs", dtype=torch.float64) == "torch"
+    h, w, y, _ = _inputs(3, 4, 7, torch.float64)
+    with pytest.raises(ValueError, match="fp64"):
+        fused_logprobs(h, w, y, impl="triton")
+    from bitrl.kernels import fused_linear_policy_loss, policy_loss
+
+    lp = torch.randn(2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="fp64"):
+        policy_loss(lp, lp, torch.ones(2, dtype=torch.float64), torch.ones(2, 3), impl="triton")
+    with pytest.raises(ValueError, match="fp64"):
+        fused_linear_policy_loss(
+            h.view(1, 3, 4), w, y.view(1, 3), lp[:1], torch.ones(1, dtype=torch.float64), impl="triton"
+        )
+
+
 @needs_triton
 def test_triton_n1_and_entropy_unused():
     dev = triton_device()

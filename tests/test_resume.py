@@ -147,3 +147,24 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, {"step": 2})
     assert load_checkpoint(tmp_path)["step"] == 1
+
+
+def test_rng_state_round_trip_touches_no_other_gpu():
+    """The checkpoint's random state: python, numpy, torch CPU, and on CUDA the current device's only."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from bitrl.train.checkpoint import rng_state, set_rng_state
+
+    state = rng_state()
+    want = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # pragma: no cover - GPU only
+        assert isinstance(state["cuda"], torch.Tensor)  # one state, not one per GPU
+        want += (float(torch.rand((), device="cuda")),)
+    set_rng_state(state)
+    got = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    if "cuda" in state:  # pragma: no cover - GPU only
+        got += (float(torch.rand((), device="cuda")),)
+    assert got == want

@@ -15,10 +15,12 @@ CHECKPOINT_NAME = "checkpoint.pt"
 
 
 def rng_state() -> dict:
-    """The global random states a run depends on (python, numpy, torch CPU, and CUDA where present)."""
+    """The global random states a run depends on (python, numpy, torch CPU, and, where CUDA is initialised,
+    this process's current GPU: a rank touches its own device only; reading every GPU's state would create a
+    context on each of them in every rank)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's
     return state
 
 
@@ -27,7 +29,10 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        # checkpoints written before one state per rank hold a list (one per GPU): take this rank's
+        cuda = cuda[torch.cuda.current_device()] if isinstance(cuda, list | tuple) else cuda
+        torch.cuda.set_rng_state(cuda)
 
 
 def save_checkpoint(run_dir: str | Path, state: dict) -> Path:
