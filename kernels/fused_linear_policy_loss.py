@@ -173,16 +173,12 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         dh, dw, db = ctx.saved_tensors
-        # the usual case is loss.backward() with grad_out == 1: hand the precomputed gradients over as they
-        # are instead of allocating scaled copies (a [V, H] copy would cost as much as the whole workspace)
-        unit = bool(torch.equal(grad_out, torch.ones_like(grad_out)))
-
-        def sc(g):
-            if g is None:
-                return None
-            return g if unit else g * grad_out.to(g.dtype)
-
-        return (sc(dh), sc(dw), sc(db)) + (None,) * 11
+        # The precomputed gradients, scaled in place (a scaled [V, H] copy would cost as much as the whole
+        # workspace). On a CPU, where looking costs nothing, the usual grad_out == 1 skips the pass; on a GPU
+        # looking would be a device sync per call, so the multiply always runs.
+        if grad_out.device.type == "cpu" and bool(torch.equal(grad_out, torch.ones_like(grad_out))):
+            return (dh, dw, db) + (None,) * 11
+        return tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in (dh, dw, db)) + (None,) * 11
 
 
 def _torch_path(

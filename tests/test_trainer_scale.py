@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import TINY_QWEN, assert_same_adam_update, fp32_sum_bound, make_qwen
+from conftest import TINY_QWEN, assert_same_adam_update, count_host_syncs, fp32_sum_bound, make_qwen
 
 from bitrl.engine.config import load_config
 from bitrl.rollout.engine import Rollout, generate
@@ -105,6 +105,28 @@ def test_micro_batching_gives_the_one_batch_update(aggregation, correction, args
         assert abs(loss_m - loss) <= fp32_sum_bound(n, scale), (budget, loss_m - loss)
         # Each weight's gradient sums n per-token contributions in another order.
         assert relative_error(grad_m, grad) < fp32_sum_bound(n, 1.0), budget
+
+
+def test_a_micro_batch_reads_few_values_back_to_the_host():
+    """The update keeps its metrics, loss and counts on the device and reads them once per minibatch: each
+    extra micro-batch adds only the loss op's input checks and the model's own mask handling (about five
+    reads, each a device sync on a GPU), not one read per metric (about twenty before)."""
+    rollout, advantages = sample(make_qwen(**TINY_QWEN)), torch.linspace(-1.5, 1.5, 8)
+    reads = {}
+    for budget in (0, 25):  # one micro-batch, then several
+        model = make_qwen(**TINY_QWEN)
+        cfg = train_cfg(
+            "train.autocast=none", "train.correction=tis-token", f"train.micro_batch_tokens={budget}"
+        )
+        trainer = PolicyTrainer(model, cfg)
+        old = trainer.old_logprobs(rollout)
+        micro = len(trainer.micro_batches(torch.arange(len(old)), rollout))
+        with count_host_syncs() as syncs:
+            trainer.backward(rollout, old, advantages)
+        reads[budget] = (micro, syncs.count)
+    (one, few), (many, more) = reads[0], reads[25]
+    assert one == 1 and many >= 3
+    assert (more - few) / (many - one) <= 6, reads
 
 
 def test_micro_batched_step_matches_one_batch_step():

@@ -167,7 +167,10 @@ class PolicyTrainer:
             old, rollout.logprobs, rollout.response_mask, cfg.correction, cfg.correction_args
         )
         n_tokens, n_seqs = global_counts(keep)  # over all ranks when data-parallel
-        loss_sum, sums, n_sum = 0.0, {}, 0.0
+        # Sums stay on the device and are read once after the last micro-batch: a read per metric per
+        # micro-batch would be a device sync each.
+        zero = torch.zeros((), device=old.device)
+        loss_sum, n_sum, sums, finite = zero, zero, {}, torch.ones((), dtype=torch.bool, device=old.device)
         for rows in self.micro_batches(torch.arange(len(old), device=old.device), rollout):
             part = rollout_rows(rollout, rows)
             # LM head, log-probs, entropy and loss in one op: no [tokens, vocab] logits, and the gradient is
@@ -200,28 +203,33 @@ class PolicyTrainer:
                 **cfg.correction_args,
                 entropy_coef=cfg.entropy_coef,
             )
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite policy loss {loss.item()}")
+            # A non-finite loss is an error, found after the loop: the step it would poison never happens.
+            finite = torch.isfinite(loss) & finite
             self.scaler.scale(loss).backward()  # fp16: an overflowing step is skipped and the scale lowered
-            loss_sum += loss.item()
-            n = float(keep[rows].sum())
-            n_sum += n
+            loss_sum = loss_sum + loss.detach().float()
+            n = keep[rows].sum().float()
+            n_sum = n_sum + n
             for k, v in metrics.items():
                 if k not in LOGGED_LOSS_METRICS:
                     continue
-                v = float(v)
+                v = torch.as_tensor(v, device=n.device).float()
                 if k in _MAX_METRICS:
-                    sums[k] = max(sums.get(k, v), v)
+                    sums[k] = torch.maximum(sums.get(k, v), v)
                 elif k in _MIN_METRICS:
-                    sums[k] = min(sums.get(k, v), v)
+                    sums[k] = torch.minimum(sums.get(k, v), v)
                 else:
-                    sums[k] = sums.get(k, 0.0) + v * n
+                    sums[k] = sums.get(k, zero) + v * n
+        responses, _ = global_counts(rollout.response_mask)
+        read = torch.stack([finite.float(), loss_sum, n_sum, n_tokens, responses, *sums.values()]).tolist()
+        finite, loss_sum, n_sum, n_tokens, responses = read[:5]
+        if not finite:
+            raise FloatingPointError(f"non-finite policy loss {loss_sum}")
+        sums = dict(zip(sums, read[5:]))
         out = {k: v if k in _MAX_METRICS + _MIN_METRICS else v / max(n_sum, 1.0) for k, v in sums.items()}
         # the global minibatch's metrics (token means over all ranks), so that every minibatch counts alike
         # in the step's average whatever the world size
         out = reduce_metrics(out | {"loss": loss_sum}, weight=n_sum)
-        responses, _ = global_counts(rollout.response_mask)
-        out["masked_frac"] = 1.0 - float(n_tokens) / max(float(responses), 1.0)
+        out["masked_frac"] = 1.0 - n_tokens / max(responses, 1.0)
         return out.pop("loss"), out
 
     def step(self, rollout: Rollout, advantages: torch.Tensor) -> dict[str, float]:
