@@ -158,16 +158,32 @@ def acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """a @ b with the result in the accumulation dtype (fp32), avoiding a bf16 round-trip where possible."""
+def mm_acc(
+    a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """a @ b with the result in the accumulation dtype (fp32), written into ``out`` when given. On CUDA the
+    GEMM writes fp32 itself (``out_dtype``): no low-precision product to round, and no copy into ``out``."""
     if a.dtype == acc:
-        return a @ b
+        return a @ b if out is None else torch.mm(a, b, out=out)
     if a.is_cuda:
         try:
-            return torch.mm(a, b, out_dtype=acc)
+            return torch.mm(a, b, out_dtype=acc) if out is None else torch.mm(a, b, out_dtype=acc, out=out)
+        except (RuntimeError, TypeError):  # a torch without the fp32-output GEMM
+            pass
+    return (a @ b).to(acc) if out is None else out.copy_(a @ b)
+
+
+def addmm_acc_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """total += a @ b, total in the accumulation dtype (fp32). On CUDA one GEMM accumulates into total
+    (beta = 1) even from bf16 operands: no fresh [M, N] product per call."""
+    if a.dtype == total.dtype:
+        return total.addmm_(a, b)
+    if a.is_cuda:
+        try:
+            return torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
         except (RuntimeError, TypeError):
             pass
-    return (a @ b).to(acc)
+    return total.add_(a @ b)
 
 
 # -inf logits are clamped to this value: exp() of it is exactly 0, and products with any gradient stay finite
@@ -270,7 +286,7 @@ class ChunkEngine:
             for v0 in range(0, V, step):
                 torch.mm(h, self.w_mm[v0 : v0 + step].t(), out=z[:, v0 : v0 + step])
         else:
-            z.copy_(mm_acc(h.to(self.mm), self.w_mm.t(), self.acc))
+            mm_acc(h.to(self.mm), self.w_mm.t(), self.acc, out=z)
         if self.bias_acc is not None:
             z.add_(self.bias_acc)
         if self.fill and e <= k:
@@ -364,10 +380,7 @@ class ChunkEngine:
                 dh[s : s + dz.shape[0]] = (dzm @ self.w_mm).to(dh.dtype)
         if dw is not None:
             h = h if h.dtype == self.mm else h.to(self.mm)
-            if self.mm == self.acc:
-                dw.addmm_(dzm.t(), h)
-            else:
-                dw += mm_acc(dzm.t(), h, self.acc)
+            addmm_acc_(dw, dzm.t(), h)
 
 
 # ----------------------------------------------------------------------------------------------------------

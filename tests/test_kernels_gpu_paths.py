@@ -168,3 +168,34 @@ def test_pack_beyond_int32_offsets_on_gpu():  # pragma: no cover - GPU only
     codes[-2:] = torch.tensor([3, 5], dtype=torch.uint8, device="cuda")
     packed = pack_fp4_triton(codes)
     assert int(packed[-1]) == 3 | (5 << 4) and int(packed[:-1].max()) == 0
+
+
+# ------------------------------------------------------------------------------------------ bf16 loss memory
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (fp32-output GEMMs)")
+def test_bf16_loss_keeps_one_fp32_weight_gradient():  # pragma: no cover - GPU only
+    """bf16 GRPO loss over 8 token chunks: the weight gradient accumulates in one fp32 [V, H] buffer by
+    GEMMs that add into it, and the logits come out of the GEMM in fp32 (no fresh fp32 [V, H] product per
+    chunk, no copy of each chunk's logits). Peak: that accumulator, the bf16 result, the chunk workspace."""
+    from bitrl.kernels import fused_linear_policy_loss
+
+    N, H, V, chunk = 2048, 4096, 32768, 256
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(1, N, H, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_(True)
+    w = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).bfloat16().requires_grad_(True)
+    y = torch.randint(0, V, (1, N), device="cuda", generator=g)
+    old = torch.full((1, N), -10.0, device="cuda")
+    adv = torch.ones(1, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss, _ = fused_linear_policy_loss(h, w, y, old, adv, chunk_size=chunk)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    fp32_vh, bf16_vh, dh = V * H * 4, V * H * 2, N * H * 2
+    workspace = 4 * chunk * V * 4  # logits, their bf16 gradient, slack
+    # 976 MiB; a fresh fp32 product per chunk would add 512 MiB on top of the accumulator
+    assert extra <= fp32_vh + bf16_vh + dh + workspace + 64 * 2**20, extra / 2**20

@@ -170,6 +170,30 @@ def test_bf16_model_keeps_fp32_master_weights_and_runs_under_autocast():
     assert all(p.dtype == torch.bfloat16 for p in plain.parameters())
 
 
+def test_bf16_autocast_runs_the_lm_head_in_bf16_in_both_passes(monkeypatch):
+    """fp32 master weights under bf16 autocast: the fused LM-head ops get bf16 operands (as F.linear would
+    under autocast), in the old-log-prob pass and in the update alike, not fp32 products of the masters."""
+    from bitrl.train import logprobs, trainer
+
+    seen = []
+
+    def spy(op):
+        def call(hidden, weight, *args, **kw):
+            seen.append((op.__name__, hidden.dtype, weight.dtype))
+            return op(hidden, weight, *args, **kw)
+
+        return call
+
+    monkeypatch.setattr(logprobs, "fused_logprobs", spy(logprobs.fused_logprobs))
+    monkeypatch.setattr(trainer, "fused_linear_policy_loss", spy(trainer.fused_linear_policy_loss))
+    model = make_qwen(**TINY_QWEN).to(torch.bfloat16)
+    policy = PolicyTrainer(model, train_cfg())
+    assert policy.autocast == "bf16" and model.lm_head.weight.dtype == torch.float32
+    policy.step(sample(make_qwen(**TINY_QWEN)), torch.linspace(-1, 1, 8))
+    assert {name for name, _, _ in seen} == {"fused_logprobs", "fused_linear_policy_loss"}
+    assert all(h == w == torch.bfloat16 for _, h, w in seen), seen
+
+
 def test_lora_gradients_reach_only_adapters_and_the_base_stays_put():
     model = apply_lora(make_qwen(**TINY_QWEN), lora_cfg())
     base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}

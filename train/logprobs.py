@@ -21,6 +21,18 @@ def response_hidden_states(model, rollout: Rollout) -> torch.Tensor:
     return hidden[:, prompt_len - 1 : prompt_len - 1 + response_len]
 
 
+def lm_head_operands(hidden: torch.Tensor, head):
+    """(hidden, weight, bias) of the LM head's product, all in one dtype: bf16 where bf16 autocast is on (as
+    F.linear would run under it: bf16 products with fp32 accumulation, not fp32 products of fp32 master
+    weights), else hidden's. fp16 autocast keeps hidden's dtype: the fused loss returns the weight gradient
+    in its operand's dtype, and fp16 loss scaling would overflow an fp16 one."""
+    device = hidden.device.type
+    bf16 = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+    dtype = torch.bfloat16 if bf16 else hidden.dtype
+    bias = getattr(head, "bias", None)
+    return hidden.to(dtype), head.weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 def token_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_entropy: bool = True):
     """(logprobs [B, R] fp32, entropy [B, R] fp32 or None) of the response tokens at `temperature`.
 
@@ -28,15 +40,10 @@ def token_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_entro
     """
     hidden = response_hidden_states(model, rollout)
     batch, length, width = hidden.shape
-    head = model.get_output_embeddings()
+    hidden, weight, bias = lm_head_operands(hidden.reshape(-1, width), model.get_output_embeddings())
     targets = rollout.response_ids.masked_fill(~rollout.response_mask, -100)
     logprobs, entropy = fused_logprobs(
-        hidden.reshape(-1, width),
-        head.weight,
-        targets.reshape(-1),
-        temperature=temperature,
-        bias=getattr(head, "bias", None),
-        return_entropy=with_entropy,
+        hidden, weight, targets.reshape(-1), temperature=temperature, bias=bias, return_entropy=with_entropy
     )
     entropy = entropy.view(batch, length) if entropy is not None else None
     return logprobs.view(batch, length), entropy

@@ -26,7 +26,7 @@ from bitrl.train.distributed import (
     shard_policy,
     sum_over_ranks,
 )
-from bitrl.train.logprobs import response_hidden_states, token_logprobs
+from bitrl.train.logprobs import lm_head_operands, response_hidden_states, token_logprobs
 from bitrl.train.mismatch import mismatch_diagnostics
 
 # Loss metrics worth a column in metrics.jsonl; rollout/trainer mismatch is logged once per batch below.
@@ -179,16 +179,16 @@ class PolicyTrainer:
             # stays gathered through this micro-batch's loss and backward: one gather of the head.
             with self.precision():
                 hidden = call_as_forward(self.policy, partial(response_hidden_states, self.policy, part))
-            head = self.policy.get_output_embeddings()
-            bias = getattr(head, "bias", None)
+                # the LM head in the forward's precision, as the old-log-prob pass ran it
+                hidden, weight, bias = lm_head_operands(hidden, self.policy.get_output_embeddings())
             loss, metrics = fused_linear_policy_loss(
                 hidden,
-                head.weight.to(hidden.dtype),
+                weight,
                 part.response_ids,
                 old[rows],
                 advantages[rows],
                 keep[rows],
-                bias=None if bias is None else bias.to(hidden.dtype),
+                bias=bias,
                 temperature=self.temperature,
                 compute_entropy=True,
                 loss_type=cfg.loss_type,
