@@ -76,7 +76,15 @@ def test_short_run_on_cuda(tmp_path, monkeypatch):
     from bitrl.engine.cli import main
 
     monkeypatch.chdir(tmp_path)
-    args = ["train", "name=gpu", "device=cuda", "task.n_eval=100", "steps=4", "eval_every=2"]
+    args = [
+        "train",
+        "name=gpu",
+        "device=cuda",
+        "task.n_eval=100",
+        "steps=4",
+        "eval_every=2",
+        "warmstart.steps=0",
+    ]
     assert main([*args, "checkpoint_every=2", "rollout.precision=mxfp4", "train.correction=tis"]) == 0
     assert main(["train", "--resume", "runs/gpu", "steps=6"]) == 0
     records = [json.loads(line) for line in (tmp_path / "runs/gpu/metrics.jsonl").read_text().splitlines()]

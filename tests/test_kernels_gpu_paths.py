@@ -199,3 +199,29 @@ def test_bf16_loss_keeps_one_fp32_weight_gradient():  # pragma: no cover - GPU o
     workspace = 4 * chunk * V * 4  # logits, their bf16 gradient, slack
     # 976 MiB; a fresh fp32 product per chunk would add 512 MiB on top of the accumulator
     assert extra <= fp32_vh + bf16_vh + dh + workspace + 64 * 2**20, extra / 2**20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton row kernels)")
+def test_fused_logprobs_at_a_real_vocabulary_on_cuda():  # pragma: no cover - GPU only
+    """Qwen's vocabulary (V = 151936: 38 tiles of the row kernels, a ragged last one) in bf16, against the
+    fp64 formula from the same bf16 inputs: log-probs, entropies and both gradients."""
+    from bitrl.kernels import fused_logprobs
+
+    N, H, V = 256, 896, 151936
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = (torch.randn(N, H, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_(True)
+    w = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).bfloat16().requires_grad_(True)
+    y = torch.randint(0, V, (N,), device="cuda", generator=g)
+    lp, ent = fused_logprobs(h, w, y, temperature=0.7)
+    (lp.sum() + 0.5 * ent.sum()).backward()
+    h64, w64 = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    logp = torch.log_softmax(h64 @ w64.T / 0.7, -1)
+    lp64, ent64 = logp.gather(-1, y[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+    (lp64.sum() + 0.5 * ent64.sum()).backward()
+    # bf16 logits (one rounding of |z| <= ~10 / T, u = 2^-8) bound every output to a few 1e-2
+    torch.testing.assert_close(lp.double(), lp64, atol=0.1, rtol=0.02)
+    torch.testing.assert_close(ent.double(), ent64, atol=0.1, rtol=0.02)
+    for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        rel = float((got.double() - want).norm() / want.norm())
+        assert rel < 0.02, rel

@@ -380,3 +380,25 @@ def test_the_compiled_decode_step_runs_as_cuda_graphs(tiny_qwen):  # pragma: no 
         assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     finally:
         set_engine_options(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "precision,kv", [("full", "fp8"), ("fp8", "auto"), ("nvfp4", "auto"), ("mxfp4", "fp8")]
+)
+def test_low_precision_rollouts_on_cuda(tiny_qwen, precision, kv):  # pragma: no cover - GPU only
+    """Quantized rollout copies and the FP8 KV cache on the GPU: finite samples whose log-probs stay close to
+    the bf16 policy's (the mismatch the corrections then handle), the compiled step included."""
+    from bitrl.rollout.precision import make_rollout_model
+
+    policy = tiny_qwen.cuda().to(torch.bfloat16)
+    copy = make_rollout_model(policy, precision)
+    set_engine_options(copy, kv_cache_dtype=kv, compile=True)
+    r = generate(copy, _prompts() * 4, max_new_tokens=8, eos_id=2, pad_id=0, generator=torch.Generator())
+    m = r.response_mask
+    assert m.any() and torch.isfinite(r.logprobs[m]).all()
+    with torch.no_grad():
+        train, _ = token_logprobs(policy, r)
+    k3 = (train - r.logprobs).exp() - (train - r.logprobs) - 1
+    assert float(k3[m].mean()) < 0.5, float(k3[m].mean())
