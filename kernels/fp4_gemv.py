@@ -22,6 +22,7 @@ __all__ = ["FORMATS", "fp4_gemv", "fp4_gemv_reference", "dequantize_fp4"]
 
 FORMATS = {"mxfp4": 32, "nvfp4": 16}  # block length along K
 MAX_ROWS = 16
+E8M0 = getattr(torch, "float8_e8m0fnu", None)  # torch >= 2.7
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -66,6 +67,11 @@ def _check(x, packed, scale, fmt, k, tensor_scale):
     check_tensor("packed", packed, ndim=2, dtypes=(torch.uint8,), device=x.device)
     if packed.shape[1] * 2 != kp:
         raise ValueError(f"packed: expected {kp // 2} bytes per row for k={k} ({fmt}), got {packed.shape[1]}")
+    # the kernel reads the scales as bytes: only the format's own scale dtypes mean what it decodes
+    scale_dtypes = (torch.float8_e4m3fn,) if fmt == "nvfp4" else (torch.uint8, E8M0)
+    check_tensor(
+        "scale", scale, ndim=2, dtypes=tuple(d for d in scale_dtypes if d is not None), device=x.device
+    )
     if tuple(scale.shape) != (packed.shape[0], kp // bw):
         raise ValueError(f"scale: expected shape {[packed.shape[0], kp // bw]}, got {list(scale.shape)}")
     if (fmt == "nvfp4") != (tensor_scale is not None):

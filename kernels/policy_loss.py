@@ -809,7 +809,8 @@ def policy_loss(
         bad = ~torch.isfinite(entropy.detach()) & (plan.mask > 0)
         if bool(bad.any()):
             raise ValueError("entropy: non-finite value(s) at unmasked positions")
-    impl = resolve_impl(impl, dev, op="policy_loss", dtype=logprobs.dtype)
+    fp64 = any(t is not None and t.dtype == torch.float64 for t in (logprobs, old_logprobs, advantages))
+    impl = resolve_impl(impl, dev, op="policy_loss", dtype=torch.float64 if fp64 else logprobs.dtype)
     if impl == "triton" and triton_supported(plan) is not None:
         impl = "torch"  # documented fallback for sequence-level losses
     if impl == "reference":

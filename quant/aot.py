@@ -161,7 +161,8 @@ def _logprob_cases():
     H = 16
     # every BLOCK_V the dispatch can pick, and one vocabulary above the largest tile
     vocabs = [2**i for i in range(BLOCK_V_MIN.bit_length() - 1, BLOCK_V_MAX.bit_length() + 1)]
-    for dtype, V in itertools.product((*DTYPES, torch.float64), vocabs):
+    # (fp64 inputs never reach the row kernels: they run on the torch path in fp64)
+    for dtype, V in itertools.product(DTYPES, vocabs):
 
         def run(dtype=dtype, V=V):
             h = torch.randn(5, H, dtype=dtype, requires_grad=True)

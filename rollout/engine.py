@@ -446,7 +446,10 @@ class Slots:
             static_addresses(self)
         self.steps_host = [0] * slots  # tokens decoded since admission, per slot (host mirror, no sync)
 
-    def admit(self, slots: torch.Tensor, samples: torch.Tensor, ctx: Contexts, num_samples: int) -> None:
+    def admit(self, slot_list: list[int], sample_list: list[int], ctx: Contexts) -> None:
+        """Start samples `sample_list` in slots `slot_list` (host lists: the host mirror needs no read)."""
+        device = self.alive.device
+        slots, samples = torch.tensor(slot_list, device=device), torch.tensor(sample_list, device=device)
         c = self.context_width
         self.cache.copy_rows_(slots, ctx.cache, ctx.row[samples], c)
         self.visible[slots] = False
@@ -460,7 +463,7 @@ class Slots:
         self.seed[slots] = ctx.seed[samples]
         self.done[slots] = 0
         self.alive[slots] = True
-        for s in slots.tolist():
+        for s in slot_list:
             self.steps_host[s] = 0
 
     def compact_(self, alive: list[bool], width: int) -> None:
@@ -577,7 +580,7 @@ def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineO
     sync_every = options.sync_every or (8 if device.type == "cuda" else 1)
     waiting = deque(range(n))
     first = [waiting.popleft() for _ in range(min(slots, n))]
-    st.admit(torch.arange(len(first), device=device), torch.tensor(first, device=device), ctx, n)
+    st.admit(list(range(len(first))), first, ctx)
     since_sync = steps = 0
     while True:
         # eager: attend over the columns in use only; compiled: one fixed shape (no recompilation per width)
@@ -596,7 +599,7 @@ def decode(decoder: Decoder, ctx: Contexts, sampling: Sampling, options: EngineO
         if waiting and free:
             take = free[: len(waiting)]
             samples = [waiting.popleft() for _ in take]
-            st.admit(torch.tensor(take, device=device), torch.tensor(samples, device=device), ctx, n)
+            st.admit(take, samples, ctx)
         elif not waiting:
             live = sum(alive)
             if live == 0:
@@ -636,18 +639,19 @@ COMPILED_STEP_GRAPHS = 64
 
 
 def _compiled_next_tokens(options: EngineOptions, device):
+    """`next_tokens` under torch.compile, one per device type: CUDA graphs ("reduce-overhead") on CUDA, a
+    plain compile elsewhere (a process that compiled on the CPU first still gets its graphs on the GPU)."""
     use = options.compile if options.compile != "auto" else device.type == "cuda"
     if not use:
         return next_tokens
-    global _COMPILED_NEXT_TOKENS
-    if _COMPILED_NEXT_TOKENS is None:
+    if device.type not in _COMPILED_NEXT_TOKENS:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_STEP_GRAPHS)
         mode = "reduce-overhead" if device.type == "cuda" else None
-        _COMPILED_NEXT_TOKENS = torch.compile(next_tokens, mode=mode, dynamic=False)
-    return _COMPILED_NEXT_TOKENS
+        _COMPILED_NEXT_TOKENS[device.type] = torch.compile(next_tokens, mode=mode, dynamic=False)
+    return _COMPILED_NEXT_TOKENS[device.type]
 
 
-_COMPILED_NEXT_TOKENS = None
+_COMPILED_NEXT_TOKENS: dict = {}
 
 
 # --------------------------------------------------------------------------- generate

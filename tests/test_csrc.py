@@ -333,6 +333,11 @@ def test_fp4_gemv_rejects_bad_input():
         fp4_gemv(x, qt.data, qt.scale, "mxfp4", k=32)
     with pytest.raises(ValueError, match="tensor_scale"):
         fp4_gemv(x, qt.data, qt.scale, "mxfp4", k=64, tensor_scale=torch.ones(()))
+    with pytest.raises(ValueError, match="scale"):  # bytes the kernel would decode as something else
+        fp4_gemv(x, qt.data, qt.scale.view(torch.uint8).float(), "mxfp4", k=64)
+    nv = quantize(torch.randn(8, 64), "nvfp4")
+    with pytest.raises(ValueError, match="scale"):
+        fp4_gemv(x, nv.data, nv.scale.view(torch.uint8), "nvfp4", k=64, tensor_scale=nv.tensor_scale)
 
 
 @needs_cuda

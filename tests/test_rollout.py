@@ -142,7 +142,7 @@ def test_the_compiled_decode_step_compiles_once_for_many_rollouts(tiny_qwen, mon
     torch._dynamo.reset()
     counter = CompileCounter()
     compiled = torch.compile(engine.next_tokens, backend=counter, dynamic=False)  # as the engine compiles it
-    monkeypatch.setattr(engine, "_COMPILED_NEXT_TOKENS", compiled)
+    monkeypatch.setitem(engine._COMPILED_NEXT_TOKENS, "cpu", compiled)
     set_engine_options(tiny_qwen, max_batch_rows=8, compile=True)
     prompts = _prompts()
     try:
