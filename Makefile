@@ -54,8 +54,10 @@ NUMERICS_TESTS := tests/test_trainer_scale.py tests/test_integrations_trl.py tes
 	tests/test_kernels_fused_linear.py tests/test_kernels_policy_loss.py tests/test_mismatch.py \
 	tests/test_corrections.py tests/test_train.py tests/test_rollout.py
 
+# (less the inductor-compiled decode step: inductor's C++ code does not build for ATEN_CPU_CAPABILITY=default)
 test-other-kernels: $(STAMP)
-	$(OTHER_KERNELS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(NUMERICS_TESTS)
+	$(OTHER_KERNELS) TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(NUMERICS_TESTS) \
+		--deselect tests/test_rollout.py::test_the_compiled_decode_step_returns_the_eager_samples
 
 test-oldest: $(OLDEST_STAMP)
 	$(OLDEST)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
