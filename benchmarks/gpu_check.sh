@@ -5,7 +5,8 @@
 #   gpu.txt               the device and the versions used
 #   prepare.json          the CUDA C++ kernels built once for this GPU into the kernel cache, which every later
 #                         step (the test suite included) loads instead of building again
-#   tests.jsonl           one line per GPU test as it ends (tests.log: pytest's own output): compiled Triton
+#   tests.jsonl           one line per GPU test as it ends (tests_*.log: pytest's output per group, each group
+#                         under its own limit, most valuable first): compiled Triton
 #                         kernels (no interpreter) against their references, the CUDA C++ kernels (fused
 #                         sampler, FP4 GEMV) against their torch twins, FP8 _scaled_mm, W4A16, native FP4 on
 #                         Blackwell, the decoder's attention kernels, the bf16-autocast end-to-end run
@@ -22,7 +23,8 @@
 #   GPU_CHECK_DRY_RUN=1    print the steps with their limits; run nothing, write nothing.
 #   GPU_CHECK_REHEARSAL=1  run every step here, on the CPU, at its smallest setting, under the same limits:
 #                          proves that each starts and writes its JSON in time (CI runs it).
-# A failed or timed-out step is recorded and the next one still runs; the exit status is the test suite's.
+# A failed or timed-out step is recorded and the next one still runs; the exit status is the first failing
+# test group's.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUTDIR}
 py=${PYTHON:-python3}
@@ -84,18 +86,22 @@ step prepare 35 $py -m bitrl.kernels.cuda_ext "$out/prepare.json"
 
 # The GPU suite must not fall back to the interpreter.
 unset TRITON_INTERPRET
-gpu_tests=(
-  tests/test_csrc.py tests/test_kernels_gpu_paths.py tests/test_quant_linear.py tests/test_quant_triton.py
-  tests/test_kernels_fused_logprobs.py tests/test_kernels_fused_linear.py tests/test_kernels_policy_loss.py
-  tests/test_kernels_loss_naive.py tests/test_kernels_helpers.py tests/test_sampling.py tests/test_rollout.py
-  "tests/test_end_to_end.py::test_short_run_on_cuda"
-)
-step tests 160 env BITRL_TEST_JSONL="$out/tests.jsonl" $py -m pytest -q "${gpu_tests[@]}" "${test_select[@]}" \
-  -p no:cacheprovider -rs
-status=$?
+# The GPU tests in groups by value, each under its own limit; every test appends its line to tests.jsonl.
+tests() {
+  local name=$1 limit=$2
+  shift 2
+  step "$name" "$limit" env BITRL_TEST_JSONL="$out/tests.jsonl" $py -m pytest -q "$@" "${test_select[@]}" \
+    -p no:cacheprovider -rs || status=$?
+}
+tests tests_kernels 55 tests/test_kernels_fused_logprobs.py tests/test_kernels_fused_linear.py \
+  tests/test_kernels_policy_loss.py tests/test_kernels_loss_naive.py tests/test_kernels_helpers.py
+tests tests_sampler 30 tests/test_csrc.py tests/test_sampling.py
+tests tests_rollout 30 tests/test_rollout.py
+tests tests_quant 30 tests/test_kernels_gpu_paths.py tests/test_quant_linear.py tests/test_quant_triton.py
+tests tests_loop 25 "tests/test_end_to_end.py::test_short_run_on_cuda"
 
 # Fused loss at the GPU target shape (the CPU section at its quick size only, to save time).
-step bench_kernels 55 $py -m bitrl.kernels.bench --quick --no-memory --ops grpo --reps 3 --out "$out/bench_kernels"
+step bench_kernels 50 $py -m bitrl.kernels.bench --quick --no-memory --ops grpo --reps 3 --out "$out/bench_kernels"
 step quant 45 $py benchmarks/bench_quant.py --gpu-out "$out/quant"
 # The rollout engine's decode step against (weight + KV bytes) / HBM bandwidth, Qwen2-0.5B shape.
 step decode 40 $py benchmarks/bench_decode.py "${decode[@]}" --out "$out/decode.json"
@@ -113,7 +119,7 @@ for setting in "" "$long" "$long $big"; do
 done
 
 # Every Triton specialization compiled for sm_90 and sm_100 (also checked on CPU by the test suite).
-step aot 35 $py -m bitrl.quant.aot "$out/kernel_resources.json" "${aot[@]}"
+step aot 30 $py -m bitrl.quant.aot "$out/kernel_resources.json" "${aot[@]}"
 step summary 4 $py benchmarks/gpu_summary.py "$out"
 
 [ "$dry" != "0" ] && echo "total limit ${budget}s"

@@ -26,7 +26,16 @@ def _load(path: Path):
 
 
 def test_counts(log: Path) -> dict | None:
-    """passed / failed / skipped / errors from the last pytest summary line of ``log``."""
+    """passed / failed / skipped / errors: from ``tests.jsonl`` beside ``log`` where the run wrote one (a
+    line per test as it ended, so a group cut short still counts), else the last pytest summary of ``log``."""
+    lines_path = log.with_suffix(".jsonl")
+    if lines_path.is_file():
+        counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+        for line in lines_path.read_text().splitlines():
+            t = json.loads(line)
+            key = {"passed": "passed", "skipped": "skipped"}.get(t["outcome"], "failed")
+            counts["errors" if key == "failed" and t["when"] != "call" else key] += 1
+        return counts
     try:
         lines = log.read_text().splitlines()
     except OSError:

@@ -143,6 +143,13 @@ def pytest_runtest_logreport(report):
         f.write(json.dumps(line) + "\n")
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Under the GPU check (``$BITRL_TEST_JSONL`` set), a group of tests none of which is selected (its
+    CPU rehearsal keeps the ``gpu`` ones only) is not a failure."""
+    if os.environ.get("BITRL_TEST_JSONL") and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        session.exitstatus = pytest.ExitCode.OK
+
+
 def pytest_report_header(config):
     """The machine a run's results depend on: CPU kind (summation order of torch's kernels, bf16 units), host
     compiler (the C++ softmax and sampler passes), CUDA and the Triton interpreter."""
