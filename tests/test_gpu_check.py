@@ -65,7 +65,7 @@ def test_rehearsal_starts_every_step_and_writes_its_json_in_time(tmp_path):
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     groups = ["tests_kernels", "tests_sampler", "tests_rollout", "tests_quant", "tests_loop"]
     assert [s["step"] for s in steps] == [
-        "prepare", *groups, "bench_kernels", "quant", "decode", "verify", "verify", "verify", "aot", "summary"
+        "prepare", *groups, "bench_kernels", "quant", "decode", "verify", "aot", "summary"
     ]  # fmt: skip
     for s in steps:
         log = (out / f"{s['step']}.log").read_text()[-2000:]
@@ -77,7 +77,7 @@ def test_rehearsal_starts_every_step_and_writes_its_json_in_time(tmp_path):
     assert json.loads((out / "quant" / "gpu_quant.json").read_text())["skipped"]
     assert json.loads((out / "decode.json").read_text())["results"]
     verify = [json.loads(line) for line in (out / "verify.jsonl").read_text().splitlines()]
-    assert len(verify) == 3 and all(v["fresh_generation_ms"] > 0 for v in verify)
+    assert len(verify) == 1 and verify[0]["fresh_generation_ms"] > 0
     assert json.loads((out / "kernel_resources.json").read_text())["kernels"]
     assert json.loads((out / "summary.json").read_text())["goals"]
 

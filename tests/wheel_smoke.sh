@@ -8,7 +8,11 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$(mktemp -d /tmp/bitrl-wheel.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 
-"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" "$ROOT" >"$WORK/wheel.log" 2>&1 \
+# Built from a copy of the tree's files (tracked, and untracked but not ignored): setuptools' build/ and
+# egg-info folders land there, never stale and never in a checkout that another install may be writing to.
+mkdir "$WORK/src"
+(cd "$ROOT" && git ls-files -co --exclude-standard -z | tar --null -cf - -T -) | tar -xf - -C "$WORK/src"
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" "$WORK/src" >"$WORK/wheel.log" 2>&1 \
     || { cat "$WORK/wheel.log"; exit 1; }
 WHEEL=$(ls "$WORK"/dist/bitrl-*.whl)
 "$PY" -m venv "$WORK/env"
