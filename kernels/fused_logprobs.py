@@ -158,19 +158,17 @@ def acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def mm_acc(
-    a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """a @ b with the result in the accumulation dtype (fp32), written into ``out`` when given. On CUDA the
-    GEMM writes fp32 itself (``out_dtype``): no low-precision product to round, and no copy into ``out``."""
-    if a.dtype == acc:
-        return a @ b if out is None else torch.mm(a, b, out=out)
+def mm_acc_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """out = a @ b, out in the accumulation dtype (fp32). On CUDA the GEMM writes fp32 itself (``out_dtype``)
+    even from bf16 operands: no low-precision product to round, and no copy into out."""
+    if a.dtype == out.dtype:
+        return torch.mm(a, b, out=out)
     if a.is_cuda:
         try:
-            return torch.mm(a, b, out_dtype=acc) if out is None else torch.mm(a, b, out_dtype=acc, out=out)
+            return torch.mm(a, b, out_dtype=out.dtype, out=out)
         except (RuntimeError, TypeError):  # a torch without the fp32-output GEMM
             pass
-    return (a @ b).to(acc) if out is None else out.copy_(a @ b)
+    return out.copy_(a @ b)
 
 
 def addmm_acc_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -286,7 +284,7 @@ class ChunkEngine:
             for v0 in range(0, V, step):
                 torch.mm(h, self.w_mm[v0 : v0 + step].t(), out=z[:, v0 : v0 + step])
         else:
-            mm_acc(h.to(self.mm), self.w_mm.t(), self.acc, out=z)
+            mm_acc_(z, h.to(self.mm), self.w_mm.t())
         if self.bias_acc is not None:
             z.add_(self.bias_acc)
         if self.fill and e <= k:

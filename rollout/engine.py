@@ -426,7 +426,7 @@ class Slots:
     def __init__(
         self, decoder: Decoder, ctx: Contexts, slots: int, width: int, kv_cache_dtype: str, static=False
     ):
-        """static: mark every buffer as a static address (for a compiled step; see `static_addresses`)."""
+        """static: mark the buffers as static addresses (for a compiled step; see `static_addresses`)."""
         device = decoder.device
         self.cache = decoder.new_cache(slots, width, kv_cache_dtype)
         self.context_width = ctx.visible.shape[1]
@@ -617,19 +617,13 @@ def compiled_width(columns: int) -> int:
     return max(64, 1 << (columns - 1).bit_length())
 
 
-def static_addresses(state) -> None:
-    """Mark the persistent buffers of `state` (a Slots or KVCache) as static for torch.compile: the step
-    mutates them in place, which CUDA graphs allow for static inputs only (any other mutated input makes
-    inductor skip the graph)."""
-    for value in vars(state).values():
-        if isinstance(value, torch.Tensor):
-            torch._dynamo.mark_static_address(value)
-        elif isinstance(value, list):  # the cache's per-layer K and V
-            for t in value:
-                if isinstance(t, torch.Tensor):
-                    torch._dynamo.mark_static_address(t)
-        elif isinstance(value, KVCache):
-            static_addresses(value)
+def static_addresses(st: Slots) -> None:
+    """Mark the slot buffers and the slot cache's K and V as static for torch.compile: the step mutates them
+    in place, which CUDA graphs allow for static inputs only (any other mutated input makes inductor skip
+    the graph)."""
+    buffers = [t for t in vars(st).values() if isinstance(t, torch.Tensor)]
+    for t in buffers + st.cache.k + st.cache.v:
+        torch._dynamo.mark_static_address(t)
 
 
 # Guarded per graph: the model, the sampling settings and the width bucket. A run meets a few of each (the

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 from conftest import fp32_sum_bound
+from test_kernels_helpers import triton_device
 
 from bitrl.kernels._common import triton_unavailable_reason
 from bitrl.kernels.sampling import (
@@ -20,9 +21,7 @@ TRITON_SKIP = triton_unavailable_reason(torch.device("cpu"))
 needs_triton = pytest.mark.skipif(TRITON_SKIP is not None, reason=f"Triton path: {TRITON_SKIP}")
 # The Triton sampler against the reference runs compiled on a GPU where there is one (the engine's sampler
 # there), else under the interpreter.
-TRITON_DEVICE = torch.device(
-    "cuda" if torch.cuda.is_available() and triton_unavailable_reason(torch.device("cuda")) is None else "cpu"
-)
+TRITON_DEVICE = triton_device()
 DEVICE_SKIP = triton_unavailable_reason(TRITON_DEVICE)
 needs_triton_device = pytest.mark.skipif(DEVICE_SKIP is not None, reason=f"Triton path: {DEVICE_SKIP}")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
