@@ -60,7 +60,7 @@ step() {
 if [ "$rehearsal" != "0" ]; then
   test_select=(-m gpu)                     # every GPU test starts (and skips with its reason)
   aot=(--only _logprob_rows_fwd --workers 1)
-  decode=(--tiny --device cpu --reps 1 --new-tokens 4 --precisions full --copy-gib 0.05)
+  decode=(--tiny --device cpu --reps 1 --new-tokens 32 --precisions full --copy-gib 0.05)
   tiny_demo="model.hidden_size=32 model.intermediate_size=64 model.num_layers=1 rollout.prompts_per_step=4"
   verify_reps=2
 else
