@@ -32,7 +32,7 @@ from bitrl.kernels.bench_stats import interleaved_times, machine, merge_json, rs
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_loss_chunks.json"
 CONFIGS = {"one-pass32": 32, "one-pass16": 16, "one-pass8": 8, "tiles": None}
 
-loss_mod = importlib.import_module("bitrl.kernels.fused_linear_policy_loss")
+loss_mod = importlib.import_module("bitrl.kernels.policy_loss.fused_linear")
 DEFAULT_PATH = loss_mod._torch_path
 DEFAULTS = loss_mod.ONE_PASS_CHUNK_BYTES, loss_mod.ONE_PASS_MIN_TOKENS
 

@@ -201,7 +201,7 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _names(self):
         from bitrl.kernels import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
-        from bitrl.kernels.core_algos import LossConfig
+        from bitrl.kernels.policy_loss import LossConfig
         from bitrl.train.advantages import ADVANTAGES
 
         for field, table in (

@@ -7,31 +7,28 @@ Public API::
                    check_finite=True) -> (logprobs [N] fp32, entropy [N] fp32 | None)
     policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type="grpo", ...) -> (loss, metrics)
     fused_linear_policy_loss(hidden, weight, targets, old_logprobs, advantages, mask, ...) -> (loss, metrics)
-    FusedLinearGRPOLoss(...)  # drop-in for Liger-Kernel's LigerFusedLinearGRPOLoss
 
 Registries (one function + one decorator per variant): POLICY_LOSSES, AGGREGATIONS, KL_ESTIMATORS,
-CORRECTIONS in ``bitrl.kernels.core_algos``. Implementation choice: ``impl=`` or ``BITRL_KERNEL_IMPL``
+CORRECTIONS in ``bitrl.kernels.policy_loss``. Implementation choice: ``impl=`` or ``BITRL_KERNEL_IMPL``
 (triton | torch | reference). Triton is optional; without it the torch paths run.
 """
 
 from ._common import HAS_TRITON, IMPLS, resolve_impl
-from .core_algos import (
+from .fused_logprobs import fused_logprobs, fused_logprobs_reference
+from .policy_loss import (
     AGGREGATIONS,
     CORRECTIONS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    fused_linear_policy_loss,
+    fused_linear_policy_loss_reference,
+    policy_loss,
+    policy_loss_reference,
     register_aggregation,
     register_correction,
     register_kl,
     register_policy_loss,
 )
-from .fused_linear_policy_loss import (
-    FusedLinearGRPOLoss,
-    fused_linear_policy_loss,
-    fused_linear_policy_loss_reference,
-)
-from .fused_logprobs import fused_logprobs, fused_logprobs_reference
-from .policy_loss import policy_loss, policy_loss_reference
 
 __all__ = [
     "AGGREGATIONS",
@@ -40,7 +37,6 @@ __all__ = [
     "IMPLS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
-    "FusedLinearGRPOLoss",
     "fused_linear_policy_loss",
     "fused_linear_policy_loss_reference",
     "fused_logprobs",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bitrl.kernels import CORRECTIONS, policy_loss
-from bitrl.kernels.core_algos import LossConfig, ais_coefficients
+from bitrl.kernels.policy_loss import LossConfig, ais_coefficients
 
 
 def _keep(name, log_rho, mask, **cfg):

@@ -19,7 +19,8 @@ from test_kernels_helpers import (
     triton_device,
 )
 
-from bitrl.kernels import FusedLinearGRPOLoss, fused_linear_policy_loss, fused_linear_policy_loss_reference
+from bitrl.integrations.liger import FusedLinearGRPOLoss
+from bitrl.kernels import fused_linear_policy_loss, fused_linear_policy_loss_reference
 
 fl = importlib.import_module("bitrl.kernels.fused_logprobs")  # module, not the function
 D = torch.float64
@@ -144,7 +145,7 @@ def test_token_chunks_cross_sequences_exactly(loss_type, monkeypatch):
     (chunks of 1, 4 and 7 tokens, over a masked hole and an all-masked sequence) and gives the unfused loss,
     gradients and every metric, with KL, entropy bonus and a sequence-level correction; sequence-level
     losses keep whole sequences whatever the token budget. The logits are formed in vocabulary blocks."""
-    flpl = importlib.import_module("bitrl.kernels.fused_linear_policy_loss")
+    flpl = importlib.import_module("bitrl.kernels.policy_loss.fused_linear")
     B, T, V = 4, 6, 41
     h, w, y, old, adv, mask, ref, roll = _case(B=B, T=T, V=V, dtype=D, seed=11)
     mask[1, 2:4] = 0
@@ -172,7 +173,7 @@ def test_token_chunks_cross_sequences_exactly(loss_type, monkeypatch):
 def test_sequences_longer_than_a_tile_take_tiles(dtype, loss_type, monkeypatch):
     """fp32 / fp64 sequences whose logits exceed the tile budget go through [tokens x vocabulary] tiles
     (several token chunks x several vocabulary blocks, masked tokens skipped) and give the unfused result."""
-    flpl = importlib.import_module("bitrl.kernels.fused_linear_policy_loss")
+    flpl = importlib.import_module("bitrl.kernels.policy_loss.fused_linear")
     B, T, V = 3, 24, 41
     h, w, y, old, adv, mask, ref, roll = _case(B=B, T=T, V=V, dtype=dtype, seed=5)
     mask[1, 5:9] = 0  # a hole inside a sequence: the active rows are not one run
@@ -221,7 +222,7 @@ def test_fp32_working_set_is_one_chunk_beside_the_gradients(path, monkeypatch):
     16 tokens x 64 columns, tokens outside): nothing beside the inputs and their two gradients is larger
     than one chunk of logits, in particular no [active tokens, H] buffer of gathered rows or of their
     gradient, and the result is the unfused one."""
-    flpl = importlib.import_module("bitrl.kernels.fused_linear_policy_loss")
+    flpl = importlib.import_module("bitrl.kernels.policy_loss.fused_linear")
     B, T, H, V = 4, 64, 256, 512
     h, w, y, old, adv, mask, _, _ = _case(B=B, T=T, H=H, V=V, dtype=torch.float32, seed=3)
     mask[1, 40:] = 0  # n = 153 active tokens: [n, H] is 4.8x a chunk

@@ -1,5 +1,5 @@
 """The policy-loss family against a naive reference written from the formulas in DESIGN.md, token by token
-with Python floats (no core_algos, no plan machinery): the torch and Triton paths in fp32, bf16 and fp16, with
+with Python floats (no registry, no plan machinery): the torch and Triton paths in fp32, bf16 and fp16, with
 masks and hostile values (NaN / inf at masked positions, log-ratios beyond the clamp, all-masked rows).
 
 Conventions read from the public docs of ``policy_loss``: r_t = exp(clamp(lp - old, +-20)); the correction

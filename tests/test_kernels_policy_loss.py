@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from test_kernels_helpers import LOW_DTYPES, assert_as_accurate, assert_close, needs_triton, triton_device
 
 from bitrl.kernels import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES, policy_loss, register_correction
-from bitrl.kernels.core_algos import CorrectionResult, seq_sum
+from bitrl.kernels.policy_loss import CorrectionResult, seq_sum
 
-pl = importlib.import_module("bitrl.kernels.policy_loss")  # module, not the function
+pl_triton = importlib.import_module("bitrl.kernels.policy_loss.triton")
 
 D = torch.float64
 
@@ -378,7 +378,7 @@ def test_dtypes_as_accurate_as_unfused(dtype):
 @needs_triton
 @pytest.mark.parametrize("loss_type", ["grpo", "cispo", "sapo", "gspo"])
 def test_triton_matches_torch(loss_type, monkeypatch):
-    monkeypatch.setattr(pl, "POLICY_BLOCK", 32)  # several programs, the last one ragged
+    monkeypatch.setattr(pl_triton, "POLICY_BLOCK", 32)  # several programs, the last one ragged
     dev = triton_device()
     case = [x.to(dev) for x in _random_case(3, 37, seed=11)]
     for kl_type, corr, extra in [
