@@ -273,6 +273,7 @@ def table_reuse_long() -> str:
                 f"{statistics.fmean(r['model_tokens_per_rollout_later'] for r in rs):.0f}",
                 f"{statistics.fmean(r['rollout_cpu_s_per_rollout_later'] for r in rs):.1f}",
                 ratio("rollout_cpu_s_per_rollout_later", rs) if other else "1.00×",
+                f"{statistics.fmean(r['rollout_wall_s_per_rollout_later'] for r in rs):.1f}",
                 f"{statistics.fmean(r['flat_groups_later'] for r in rs):.2f}",
                 f"{statistics.fmean(r['full_reuse_frac'] for r in rs):.2f}" if other else "–",
                 f"{statistics.fmean(_late(r) for r in rs):.3f}",
@@ -290,12 +291,13 @@ def table_reuse_long() -> str:
         "model tokens",
         "CPU s",
         "CPU speedup",
+        "wall s",
         "groups without signal",
         "drafts fully reused",
         "held-out acc",
         "gap (points, 95% CI)",
     ]
-    return md(head, out, "lrrrrrrrrrrrrr") + source(name)
+    return md(head, out, "lrrrrrrrrrrrrrr") + source(name)
 
 
 # ------------------------------------------------------------------------------------------- trainer
