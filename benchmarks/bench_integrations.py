@@ -85,7 +85,7 @@ def variant_fn(op: str, name: str):
 
         def fn(x):
             loss, _ = fused_linear_policy_loss(
-                x["h"], x["w"], x["y"], x["old"], x["adv"], x["mask"], loss_type="grpo", impl="torch"
+                x["h"], x["w"], x["y"], x["old"], x["adv"], x["mask"], impl="torch"
             )
             loss.backward()
 

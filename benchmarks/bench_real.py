@@ -90,7 +90,7 @@ def main(argv=None) -> int:
             overrides = [
                 f"seed={seed}",
                 f"rollout.precision={precision}",
-                f"train.correction={correction}",
+                f"train.loss.correction={correction}",
                 f"name={name}",
                 f"out_dir={runs_dir}",
                 *([f"steps={args.steps}", f"eval_every={args.steps}"] if args.steps else []),

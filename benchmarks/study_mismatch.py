@@ -49,7 +49,7 @@ def run_one(
             f"checkpoint_every={steps}",
             f"threads={threads}",
             f"rollout.precision={fmt}",
-            f"train.correction={correction}",
+            f"train.loss.correction={correction}",
         ],
     )
     t0 = time.perf_counter()

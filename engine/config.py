@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import fields
+import typing
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from bitrl.kernels.policy_loss import LossConfig
 
 
 class ConfigError(ValueError):
@@ -163,6 +173,52 @@ class RolloutConfig(Section):
         return self
 
 
+def _loss_fields() -> dict:
+    """LossConfig's hyper-parameters as pydantic fields: the same names, types and defaults."""
+    hints = typing.get_type_hints(LossConfig)
+    return {f.name: (hints[f.name], f.default) for f in LossConfig.hyperparameters()}
+
+
+class TrainLossConfig(create_model("LossFields", __base__=Section, **_loss_fields())):
+    """train.loss: the policy loss's options, the fields of bitrl.kernels.LossConfig by the same names (its
+    comments give their meaning), which the trainer takes as they are (`loss_config`). LossConfig validates
+    them; the trainer's defaults differ in eps_high (DAPO's clip-higher), and it bounds eps_low below 1 and
+    entropy_coef at 0 (a bonus, never a penalty). Example: train.loss.correction=icepop,
+    train.loss.icepop_beta=5."""
+
+    eps_low: float = Field(0.2, ge=0, lt=1)
+    eps_high: float | None = Field(0.28, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _valid(self):
+        try:
+            self.loss_config()
+        except ValueError as e:
+            raise ValueError(f"train.loss.{e}") from None
+        if self.kl_coef:
+            raise ValueError("train.loss.kl_coef: the trainer has no reference model; it must be 0")
+        return self
+
+    def loss_config(self) -> LossConfig:
+        """The LossConfig of these fields."""
+        return LossConfig(**self.model_dump())
+
+
+# TrainConfig fields that moved into train.loss under LossConfig's names: a config that still sets one is
+# refused with the new name.
+MOVED_TRAIN_FIELDS = {
+    "loss_type": "loss.loss_type",
+    "aggregation": "loss.loss_agg_mode",
+    "clip_eps_low": "loss.eps_low",
+    "clip_eps_high": "loss.eps_high",
+    "clip_ratio_c": "loss.clip_ratio_c",
+    "entropy_coef": "loss.entropy_coef",
+    "correction": "loss.correction",
+    "correction_args": "loss.<name> (each parameter by its name, e.g. train.loss.icepop_alpha)",
+}
+
+
 class TrainConfig(Section):
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -174,15 +230,8 @@ class TrainConfig(Section):
     updates_per_batch: int = Field(2, ge=1)  # optimizer passes over each rollout batch (PPO epochs)
     minibatches: int = Field(1, ge=1)  # optimizer steps per pass
     advantage: str = "grpo"
-    loss_type: str = "grpo"
-    aggregation: str = "token-mean"
-    clip_eps_low: float = Field(0.2, ge=0, lt=1)
-    clip_eps_high: float = Field(0.28, ge=0)
-    clip_ratio_c: float | None = Field(None, gt=1)  # dual clip for negative advantages; None disables it
-    entropy_coef: float = Field(0.0, ge=0)
-    correction: str = "none"
-    # Parameters of the correction, e.g. {"correction_cap": 2.0} or {"icepop_alpha": 0.5, "icepop_beta": 5.0}.
-    correction_args: dict[str, float] = {}
+    # The policy loss: loss type, clip range, aggregation, entropy bonus, rollout correction (LossConfig).
+    loss: TrainLossConfig = TrainLossConfig()
     # Trainable parameters and AdamW states in fp32 ("fp32"; the forward runs under autocast in model.dtype)
     # or in model.dtype ("model": plain bf16, half the memory, but updates below bf16's 2^-8 relative
     # resolution are rounded away; RL learning rates of 1e-6..1e-5 are mostly below it).
@@ -198,26 +247,21 @@ class TrainConfig(Section):
     distributed: Literal["fsdp2"] = "fsdp2"
     fsdp_mixed_precision: Literal["auto", "none", "bf16"] = "auto"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data):
+        if isinstance(data, dict):
+            for old in data:
+                if old in MOVED_TRAIN_FIELDS:
+                    raise ValueError(f"train.{old} was renamed train.{MOVED_TRAIN_FIELDS[old]}")
+        return data
+
     @model_validator(mode="after")
     def _names(self):
-        from bitrl.kernels import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
-        from bitrl.kernels.policy_loss import LossConfig
         from bitrl.train.advantages import ADVANTAGES
 
-        for field, table in (
-            ("advantage", ADVANTAGES),
-            ("loss_type", POLICY_LOSSES),
-            ("aggregation", AGGREGATIONS),
-            ("correction", CORRECTIONS),
-        ):
-            if getattr(self, field) not in table:
-                raise ValueError(
-                    f"train.{field} must be one of {sorted(table)}, got {getattr(self, field)!r}"
-                )
-        allowed = {f.name for f in fields(LossConfig)} - {"extra"}
-        unknown = set(self.correction_args) - allowed
-        if unknown:
-            raise ValueError(f"train.correction_args has unknown parameters {sorted(unknown)}")
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(f"train.advantage must be one of {sorted(ADVANTAGES)}, got {self.advantage!r}")
         return self
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels import fused_linear_policy_loss, fused_logprobs
+from ..kernels import LossConfig, fused_linear_policy_loss, fused_logprobs
 from ..kernels._common import FLOAT_DTYPES, check_tensor
 
 __all__ = ["FusedLinearGRPOLoss"]
@@ -189,41 +189,24 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                     "ref_per_token_logps: use_ref_model=True needs ref_per_token_logps or ref_input"
                 )
         kw = dict(self.correction_kwargs)
-        global_token_count = None
-        loss_scale = None
         if self.loss_type in ("dapo", "cispo", "vespo"):
-            global_token_count = _dapo_normalizer(attention_mask, num_items_in_batch)
+            kw["global_token_count"] = _dapo_normalizer(attention_mask, num_items_in_batch)
         elif self.loss_type == "dr_grpo":
-            loss_scale = float(B * self.max_completion_length)
+            kw["loss_scale"] = float(B * self.max_completion_length)
         if self.loss_type == "cispo":
             kw["cispo_clip_max"] = self.epsilon_high
-        loss, metrics = fused_linear_policy_loss(
-            _input,
-            lin_weight,
-            selected_token_ids,
-            old_per_token_logps,
-            advantages,
-            attention_mask,
-            bias=bias,
-            temperature=self.temperature,
+        config = LossConfig(
             loss_type=loss_type,
             loss_agg_mode=agg,
             eps_low=self.epsilon_low,
             eps_high=self.epsilon_high,
             clip_ratio_c=self.clip_ratio_c,
             delta=self.delta,
-            ref_logprobs=ref,
             kl_type=self.kl_type,
             kl_coef=self.beta if ref is not None else 0.0,
             kl_is_correction=self.use_bias_correction_kl,
             entropy_coef=self.entropy_coef,
-            rollout_logprobs=rollout_logprobs,
             correction=self.correction,
-            is_weights=vllm_is_ratio,
-            global_token_count=global_token_count,
-            loss_scale=loss_scale,
-            chunk_size=self.chunk_size,
-            impl=self.impl,
             sapo_tau_pos=self.sapo_temperature_pos,
             sapo_tau_neg=self.sapo_temperature_neg,
             vespo_k_pos=self.vespo_k_pos,
@@ -231,6 +214,22 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             vespo_k_neg=self.vespo_k_neg,
             vespo_lambda_neg=self.vespo_lambda_neg,
             **kw,
+        )
+        loss, metrics = fused_linear_policy_loss(
+            _input,
+            lin_weight,
+            selected_token_ids,
+            old_per_token_logps,
+            advantages,
+            attention_mask,
+            config,
+            bias=bias,
+            temperature=self.temperature,
+            ref_logprobs=ref,
+            rollout_logprobs=rollout_logprobs,
+            is_weights=vllm_is_ratio,
+            chunk_size=self.chunk_size,
+            impl=self.impl,
         )
         self.last_metrics = metrics
         out = []

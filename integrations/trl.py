@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels import CORRECTIONS, fused_logprobs, policy_loss
+from ..kernels import CORRECTIONS, LossConfig, fused_logprobs, policy_loss
 
 __all__ = ["use_bitrl", "add_bitrl_lm_head", "TRL_LOSS_TYPES"]
 
@@ -198,16 +198,7 @@ def use_bitrl(
     """
     names = [correction] if isinstance(correction, str) else list(correction)
     _check_supported(trainer, names)
-    allowed = {
-        "correction_cap",
-        "correction_low",
-        "correction_high",
-        "icepop_alpha",
-        "icepop_beta",
-        "reject_threshold",
-        "ais_kl_scale",
-        "ais_min_ess",
-    }
+    allowed = set(LossConfig.correction_parameters())
     extra = sorted(set(correction_options) - allowed)
     if extra:
         raise TypeError(
@@ -224,7 +215,7 @@ def use_bitrl(
 
 
 def _loss_options(trainer, mask, inputs, mode):
-    """bitrl policy_loss keyword arguments reproducing TRL's loss type, clip and normaliser."""
+    """bitrl LossConfig fields reproducing TRL's loss type, clip and normaliser, and the loss's scale."""
     args = trainer.args
     loss_type, agg = TRL_LOSS_TYPES[trainer.loss_type]
     if trainer.importance_sampling_level == "sequence":
@@ -309,7 +300,7 @@ def _compute_loss(self, model, inputs):
         w = w.to(torch.float32).expand_as(mask)
         is_weights = w if is_weights is None else is_weights * w
 
-    extra = {}
+    extra, tensors = {}, {"is_weights": is_weights}
     if corrected:
         if rollout is None or old is None:
             raise ValueError(
@@ -317,20 +308,15 @@ def _compute_loss(self, model, inputs):
                 "(use_vllm=True with vllm_importance_sampling_correction=True); this batch has none"
             )
         # vLLM leaves NaN where it could not score a token: no correction there (ratio 1), as in TRL
-        extra["rollout_logprobs"] = torch.where(torch.isnan(rollout), old, rollout)
+        tensors["rollout_logprobs"] = torch.where(torch.isnan(rollout), old, rollout)
         extra["correction"] = cfg["correction"]
         extra.update(cfg["options"])
     if self.beta != 0.0:
-        extra.update(
-            ref_logprobs=inputs["ref_per_token_logps"],
-            kl_type="k3",
-            kl_coef=self.beta,
-            kl_is_correction=bool(self.args.use_bias_correction_kl),
-        )
+        tensors["ref_logprobs"] = inputs["ref_per_token_logps"]
+        extra.update(kl_type="k3", kl_coef=self.beta, kl_is_correction=bool(self.args.use_bias_correction_kl))
     opts, scale = _loss_options(self, mask, inputs, mode)
-    loss, metrics = policy_loss(
-        lp, old, advantages, mask, is_weights=is_weights, impl=cfg["impl"], **opts, **extra
-    )
+    config = LossConfig(**opts, **extra)
+    loss, metrics = policy_loss(lp, old, advantages, mask, config, impl=cfg["impl"], **tensors)
     loss = loss * scale
     policy_part = metrics["pg_loss"] + (self.beta * metrics["kl_loss"] if self.beta != 0.0 else 0.0)
 

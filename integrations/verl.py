@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import POLICY_LOSSES, fused_logprobs, policy_loss
+from ..kernels import POLICY_LOSSES, LossConfig, fused_logprobs, policy_loss
 
 __all__ = ["register", "bitrl_policy_loss", "bitrl_fused_linear_for_ppo", "LOSS_NAMES", "aggregation_options"]
 
@@ -50,7 +50,7 @@ def _get(config, key, default=None):
 
 
 def aggregation_options(loss_agg_mode: str, mask: torch.Tensor, config) -> dict:
-    """bitrl ``policy_loss`` aggregation keywords equal to verl's
+    """bitrl ``LossConfig`` aggregation fields equal to verl's
     ``agg_loss(loss_agg_mode, **global_batch_info)``.
 
     verl scales every mode by dp_size so that the data-parallel gradient average yields the global-batch
@@ -113,6 +113,7 @@ def bitrl_policy_loss(
         kwargs["clip_ratio_c"] = _get(config, "clip_ratio_c", 3.0)
     mask = response_mask.bool()
     kwargs.update(aggregation_options(loss_agg_mode, mask, config))
+    tensors = {}
     names = [correction] if isinstance(correction, str) else list(correction)
     if any(n != "none" for n in names):
         if rollout_is_weights is None:
@@ -122,11 +123,13 @@ def bitrl_policy_loss(
             )
         acc = torch.promote_types(old_log_prob.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
         log_rho = torch.log(rollout_is_weights.detach().to(acc).clamp(min=1e-30))
-        kwargs.update(rollout_logprobs=old_log_prob.detach().to(acc) - log_rho, correction=names)
+        tensors["rollout_logprobs"] = old_log_prob.detach().to(acc) - log_rho
+        kwargs["correction"] = names
     elif rollout_is_weights is not None:
-        kwargs["is_weights"] = rollout_is_weights
+        tensors["is_weights"] = rollout_is_weights
     kwargs.update(options)
-    loss, m = policy_loss(log_prob, old_log_prob, advantages, mask, loss_type=loss_type, **kwargs)
+    loss_config = LossConfig(loss_type=loss_type, **kwargs)
+    loss, m = policy_loss(log_prob, old_log_prob, advantages, mask, loss_config, **tensors)
     with torch.no_grad():
         log_ratio = (log_prob.detach() - old_log_prob).clamp(-20.0, 20.0)
         ppo_kl = (-log_ratio * mask).sum() / mask.sum().clamp(min=1)
@@ -179,8 +182,8 @@ def bitrl_fused_linear_for_ppo(self, hidden_states, vocab_weights, input_ids, te
 def register(correction=None, fused_kernels: bool = False, **options):
     """Register ``bitrl_<loss>`` for every bitrl loss in verl's policy-loss registry. Returns the names.
 
-    correction: a bitrl correction name or list (``bitrl.kernels.CORRECTIONS``); options: bitrl loss and
-    correction keywords (correction_cap, icepop_alpha, icepop_beta, reject_threshold, cispo_clip_max, ...).
+    correction: a bitrl correction name or list (``bitrl.kernels.CORRECTIONS``); options: other fields of
+    ``bitrl.kernels.LossConfig`` (correction_cap, icepop_alpha, reject_threshold, cispo_clip_max, ...).
     fused_kernels: also route verl's torch fused-kernel LM head through ``bitrl.kernels.fused_logprobs``.
     """
     from verl.trainer.ppo import core_algos

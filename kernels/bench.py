@@ -117,9 +117,7 @@ def variants(op: str, impl: str | None = None, peers: bool = True) -> dict:
 
     def fused(x):
         zero_grads(x)
-        loss, _ = fused_linear_policy_loss(
-            x["h"], x["w"], x["y"], x["old"], x["adv"], x["mask"], loss_type="grpo", impl=impl
-        )
+        loss, _ = fused_linear_policy_loss(x["h"], x["w"], x["y"], x["old"], x["adv"], x["mask"], impl=impl)
         loss.backward()
 
     out["naive torch"] = naive

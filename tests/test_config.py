@@ -24,7 +24,10 @@ def test_overrides_and_file(tmp_path):
         ("train.lr=-1", "train.lr"),
         ("rollout.top_p=1.5", "rollout.top_p"),
         ("rollout.group_size=zero", "rollout.group_size"),
-        ("train.loss_type=nope", "train.loss_type"),
+        ("train.loss.loss_type=nope", "train.loss.loss_type"),
+        ("train.loss.clip_ratio_c=0.5", "train.loss.clip_ratio_c"),
+        ("train.clip_eps_low=0.1", "train.clip_eps_low was renamed train.loss.eps_low"),
+        ("train.aggregation=token-mean", "train.aggregation was renamed train.loss.loss_agg_mode"),
         ("train.advantage=nope", "train.advantage"),
         ("task.reward=nope", "task.reward"),
         ("task.kind=jsonl", "task.path"),
@@ -56,10 +59,10 @@ def test_cli_stops_before_any_work(tmp_path, capsys, monkeypatch):
 
 
 def test_correction_args():
-    cfg = load_config(None, ["train.correction=icepop", 'train.correction_args={"icepop_alpha": 0.4}'])
-    assert cfg.train.correction_args == {"icepop_alpha": 0.4}
-    with pytest.raises(ConfigError, match=r"train\.correction_args has unknown parameters \['alpha'\]"):
-        load_config(None, ['train.correction_args={"alpha": 0.4}'])
+    cfg = load_config(None, ["train.loss.correction=icepop", "train.loss.icepop_alpha=0.4"])
+    assert cfg.train.loss.icepop_alpha == 0.4
+    with pytest.raises(ConfigError, match=r"train\.loss\.alpha: unknown field"):
+        load_config(None, ["train.loss.alpha=0.4"])
     with pytest.raises(ConfigError, match=r"rollout\.precision"):
         load_config(None, ["rollout.precision=int3"])
 

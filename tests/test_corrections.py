@@ -107,7 +107,13 @@ def test_new_corrections_agree_across_implementations(name):
     adv, mask = torch.randn(4), torch.rand(4, 6) > 0.2
     losses = [
         policy_loss(
-            lp.clone().requires_grad_(), lp, adv, mask, rollout_logprobs=roll, correction=name, impl=impl
+            lp.clone().requires_grad_(),
+            lp,
+            adv,
+            mask,
+            LossConfig(correction=name),
+            rollout_logprobs=roll,
+            impl=impl,
         )[0]
         for impl in ("torch", "reference")
     ]

@@ -14,11 +14,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import TRAIN_CFG, assert_same_adam_update
+
+from bitrl.engine.config import LoraConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 GROUPS, GROUP_SIZE = 4, 2
@@ -26,9 +27,9 @@ GROUPS, GROUP_SIZE = 4, 2
 # AIS: its lambda comes from statistics of the whole batch, summed over the ranks
 VARIANTS = {
     "minibatches": TRAIN_CFG | {"minibatches": 2},
-    "ais": TRAIN_CFG | {"correction": "ais", "correction_args": {"ais_kl_scale": 0.05}},
+    "ais": TRAIN_CFG | {"loss": {"correction": "ais", "ais_kl_scale": 0.05}},
 }
-LORA = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", base_precision="full")
+LORA = LoraConfig(rank=4, alpha=8.0)
 
 
 def tiny_policy(seed: int = 0):
@@ -160,7 +161,7 @@ def worker_trainer(out: Path) -> None:
         policy = apply_lora(tiny_policy(), LORA) if variant == "lora" else tiny_policy()
         copies = {p: make_rollout_model(policy, p) for p in ("full", "mxfp4")}
         checkpointing = variant == "checkpointing"
-        cfg = SimpleNamespace(**VARIANTS.get(variant, TRAIN_CFG), gradient_checkpointing=checkpointing)
+        cfg = TrainConfig(**VARIANTS.get(variant, TRAIN_CFG), gradient_checkpointing=checkpointing)
         trainer = PolicyTrainer(policy, cfg)  # shards the policy: this process is one of 2 ranks
         assert is_sharded(policy)
         batch = mismatched(rollout) if variant == "ais" else rollout
@@ -309,7 +310,7 @@ def test_two_ranks_step_equals_one_rank(tmp_path):
         ("minibatches", tiny_policy()),
         ("ais", tiny_policy()),
     ):
-        cfg = SimpleNamespace(**VARIANTS.get(variant, TRAIN_CFG))
+        cfg = TrainConfig(**VARIANTS.get(variant, TRAIN_CFG))
         batch = mismatched(rollout) if variant == "ais" else rollout
         metrics = PolicyTrainer(policy, cfg).step(batch, advantages)
         one_rank[variant] = (policy, metrics)

@@ -57,7 +57,7 @@ def test_mxfp4_rollouts_with_icepop_stay_finite_and_learn(tmp_path, monkeypatch)
 
     monkeypatch.chdir(tmp_path)
     args = ["train", "name=mx", "task.n_eval=200", "steps=40", "eval_every=20", "checkpoint_every=40"]
-    assert main([*args, "rollout.precision=mxfp4", "train.correction=icepop"]) == 0
+    assert main([*args, "rollout.precision=mxfp4", "train.loss.correction=icepop"]) == 0
     records = [json.loads(line) for line in (tmp_path / "runs/mx/metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["step"] > 0]
     evals = [r["accuracy"] for r in records if "accuracy" in r]
@@ -85,7 +85,7 @@ def test_short_run_on_cuda(tmp_path, monkeypatch):
         "eval_every=2",
         "warmstart.steps=0",
     ]
-    assert main([*args, "checkpoint_every=2", "rollout.precision=mxfp4", "train.correction=tis"]) == 0
+    assert main([*args, "checkpoint_every=2", "rollout.precision=mxfp4", "train.loss.correction=tis"]) == 0
     assert main(["train", "--resume", "runs/gpu", "steps=6"]) == 0
     records = [json.loads(line) for line in (tmp_path / "runs/gpu/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(7))

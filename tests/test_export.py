@@ -16,7 +16,7 @@ RUN = [
     "rollout.prompts_per_step=2",
     "rollout.group_size=4",
     "train.lr=1e-2",
-    "train.entropy_coef=0.1",
+    "train.loss.entropy_coef=0.1",
     "steps=2",
     "threads=1",
 ]

@@ -12,7 +12,7 @@ from verl.utils.experimental.torch_functional import FusedLinearForPPO  # noqa: 
 from verl.workers.config import ActorConfig  # noqa: E402
 
 from bitrl.integrations import verl as bitrl_verl  # noqa: E402
-from bitrl.kernels import policy_loss  # noqa: E402
+from bitrl.kernels import LossConfig, policy_loss  # noqa: E402
 
 AGG_MODES = [
     "token-mean",
@@ -105,18 +105,10 @@ def test_each_loss_equals_bitrl_policy_loss(loss_type, mode):
     }[mode]
     extra = {"clip_ratio_c": 3.0} if loss_type == "grpo" else {}
     lp2 = lp.detach().clone().requires_grad_(True)
-    want, _ = policy_loss(
-        lp2,
-        old,
-        adv,
-        mask,
-        loss_type=loss_type,
-        loss_agg_mode=hand[0],
-        eps_low=0.25,
-        eps_high=0.25,
-        **hand[1],
-        **extra,
+    cfg = LossConfig(
+        loss_type=loss_type, loss_agg_mode=hand[0], eps_low=0.25, eps_high=0.25, **hand[1], **extra
     )
+    want, _ = policy_loss(lp2, old, adv, mask, cfg)
     (grad,) = torch.autograd.grad(want, lp2)
     torch.testing.assert_close(ours[0], want, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(ours[1], grad, atol=1e-12, rtol=1e-12)

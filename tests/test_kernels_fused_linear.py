@@ -20,7 +20,12 @@ from test_kernels_helpers import (
 )
 
 from bitrl.integrations.liger import FusedLinearGRPOLoss
-from bitrl.kernels import fused_linear_policy_loss, fused_linear_policy_loss_reference
+from bitrl.kernels import (
+    POLICY_LOSSES,
+    LossConfig,
+    fused_linear_policy_loss,
+    fused_linear_policy_loss_reference,
+)
 
 fl = importlib.import_module("bitrl.kernels.fused_logprobs")  # module, not the function
 D = torch.float64
@@ -46,22 +51,23 @@ def _case(B=3, T=5, H=12, V=41, dtype=torch.float32, seed=0, device="cpu"):
     return cast(h), cast(w), y.to(dev), cast(old), cast(adv), mask.to(dev), cast(ref), cast(roll)
 
 
-def _run(fn, h, w, y, old, adv, mask, **kw):
+def _run(fn, h, w, y, old, adv, mask, config=None, **kw):
     h = h.detach().clone().requires_grad_(True)
     w = w.detach().clone().requires_grad_(True)
-    loss, met = fn(h, w, y, old, adv, mask, **kw)
+    loss, met = fn(h, w, y, old, adv, mask, config, **kw)
     gh, gw = torch.autograd.grad(loss, [h, w])
     return loss.detach(), gh, gw, met
 
 
-KW = dict(
+LOSS = dict(
     kl_coef=0.05,
     entropy_coef=0.01,
     correction="tis-token",
     clip_ratio_c=3.0,
-    temperature=0.8,
     loss_agg_mode="seq-mean-token-mean",
 )
+CFG = LossConfig(**LOSS)
+KW = dict(temperature=0.8)
 
 
 @pytest.mark.parametrize("tile_cols", [0, 20], ids=["one-tile", "small-tiles"])
@@ -74,6 +80,7 @@ def test_as_accurate_as_unfused(dtype, tile_cols, cpu_bf16_matmul, monkeypatch):
     r64 = _run(
         fused_linear_policy_loss_reference,
         *args64,
+        CFG,
         ref_logprobs=ref.double(),
         rollout_logprobs=roll.double(),
         **KW,
@@ -86,6 +93,7 @@ def test_as_accurate_as_unfused(dtype, tile_cols, cpu_bf16_matmul, monkeypatch):
         old,
         adv,
         mask,
+        CFG,
         ref_logprobs=ref,
         rollout_logprobs=roll,
         **KW,
@@ -98,6 +106,7 @@ def test_as_accurate_as_unfused(dtype, tile_cols, cpu_bf16_matmul, monkeypatch):
         old,
         adv,
         mask,
+        CFG,
         ref_logprobs=ref,
         rollout_logprobs=roll,
         impl="torch",
@@ -123,8 +132,9 @@ def test_as_accurate_as_unfused(dtype, tile_cols, cpu_bf16_matmul, monkeypatch):
 @pytest.mark.parametrize("loss_type", ["grpo", "gspo", "gmpo", "cispo", "sapo", "vespo"])
 def test_chunking_is_exact_for_every_loss(loss_type, monkeypatch):
     h, w, y, old, adv, mask, ref, roll = _case(B=4, T=3, dtype=D, seed=2)
-    kw = dict(KW, loss_type=loss_type, ref_logprobs=ref, rollout_logprobs=roll, loss_agg_mode="token-mean")
-    ref_out = _run(fused_linear_policy_loss_reference, h, w, y, old, adv, mask, **kw)
+    cfg = LossConfig(**LOSS | dict(loss_type=loss_type, loss_agg_mode="token-mean"))
+    kw = dict(KW, ref_logprobs=ref, rollout_logprobs=roll)
+    ref_out = _run(fused_linear_policy_loss_reference, h, w, y, old, adv, mask, cfg, **kw)
     # torch backend tiles (fp64 + entropy: 16 bytes per element): one; every token x blocks of 12 columns;
     # 2 tokens x every column; 1 token x 20 columns
     for tile_bytes, min_vocab in ((0, 256), (16 * 112, 8), (16 * 112, 256), (16 * 20, 256)):
@@ -133,7 +143,7 @@ def test_chunking_is_exact_for_every_loss(loss_type, monkeypatch):
             monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", tile_bytes)
         for chunk in (1, 3, 100, None):
             out = _run(
-                fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", chunk_size=chunk, **kw
+                fused_linear_policy_loss, h, w, y, old, adv, mask, cfg, impl="torch", chunk_size=chunk, **kw
             )
             for a, b in zip(out[:3], ref_out[:3]):
                 assert_close(a, b, atol=1e-10, rtol=1e-10)
@@ -149,18 +159,17 @@ def test_token_chunks_cross_sequences_exactly(loss_type, monkeypatch):
     B, T, V = 4, 6, 41
     h, w, y, old, adv, mask, ref, roll = _case(B=B, T=T, V=V, dtype=D, seed=11)
     mask[1, 2:4] = 0
-    kw = dict(
-        KW, loss_type=loss_type, ref_logprobs=ref, rollout_logprobs=roll, correction=["tis-seq", "icepop"]
-    )
-    want = _run(fused_linear_policy_loss_reference, h, w, y, old, adv, mask, **kw)
-    token_level = getattr(flpl.get_policy_loss(loss_type), "token_level", False)
+    cfg = LossConfig(**LOSS | dict(loss_type=loss_type, correction=["tis-seq", "icepop"]))
+    kw = dict(KW, ref_logprobs=ref, rollout_logprobs=roll)
+    want = _run(fused_linear_policy_loss_reference, h, w, y, old, adv, mask, cfg, **kw)
+    token_level = POLICY_LOSSES[loss_type].token_level
     monkeypatch.setattr(flpl, "ONE_PASS_MIN_TOKENS", 1)
     monkeypatch.setattr(fl, "LOGITS_BLOCK", 16)  # each chunk's logits in blocks of 16, 16 and 9 columns
     for tokens in (1, 4, 7):
         monkeypatch.setattr(flpl, "ONE_PASS_CHUNK_BYTES", tokens * V * 8)
         tiled, (rows, per_chunk) = flpl._torch_path("torch", h.reshape(B * T, -1), B, T, V, None, token_level)
         assert not tiled and per_chunk == (tokens if token_level else None)
-        got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", **kw)
+        got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, cfg, impl="torch", **kw)
         for name, a, b in zip(("loss", "d_hidden", "d_weight"), got[:3], want[:3]):
             assert_close(a, b, atol=1e-10, rtol=1e-10, what=f"{tokens} tokens: {name}")
         assert got[3].keys() == want[3].keys()
@@ -185,11 +194,12 @@ def test_sequences_longer_than_a_tile_take_tiles(dtype, loss_type, monkeypatch):
     monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", 7 * 16 * torch.finfo(dtype).bits // 8)
     token_level = loss_type == "grpo"
     assert flpl._torch_path("torch", h.reshape(B * T, -1), B, T, V, None, token_level) == (True, (B, None))
-    kw = dict(KW, loss_type=loss_type, ref_logprobs=ref, rollout_logprobs=roll, loss_agg_mode="token-mean")
+    cfg = LossConfig(**LOSS | dict(loss_type=loss_type, loss_agg_mode="token-mean"))
+    kw = dict(KW, ref_logprobs=ref, rollout_logprobs=roll)
     args64 = [x.double() if x.is_floating_point() else x for x in (h, w, y, old, adv, mask)]
     kw64 = dict(kw, ref_logprobs=ref.double(), rollout_logprobs=roll.double())
-    want = _run(fused_linear_policy_loss_reference, *args64, **kw64)
-    got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", **kw)
+    want = _run(fused_linear_policy_loss_reference, *args64, cfg, **kw64)
+    got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, cfg, impl="torch", **kw)
     tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-6, rtol=1e-5)
     for name, a, b in zip(("loss", "d_hidden", "d_weight"), got[:3], want[:3]):
         assert a.dtype == (torch.float32 if name == "loss" and dtype == torch.float32 else dtype), name
@@ -435,9 +445,10 @@ def test_grpo_module_matches_liger_kernel(loss_type, level, delta):  # pragma: n
 def test_triton_matches_torch(loss_type):
     dev = triton_device()
     h, w, y, old, adv, mask, ref, roll = _case(B=3, T=4, H=16, V=37, device=dev)
-    kw = dict(KW, loss_type=loss_type, ref_logprobs=ref, rollout_logprobs=roll, chunk_size=2)
-    a = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", **kw)
-    b = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="triton", **kw)
+    cfg = LossConfig(**LOSS | dict(loss_type=loss_type))
+    kw = dict(KW, ref_logprobs=ref, rollout_logprobs=roll, chunk_size=2)
+    a = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, cfg, impl="torch", **kw)
+    b = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, cfg, impl="triton", **kw)
     for x, z in zip(a[:3], b[:3]):
         assert_close(z.cpu(), x.cpu(), atol=1e-6, rtol=1e-5)
     for k in a[3]:
@@ -504,8 +515,8 @@ def test_tiles_narrower_and_wider_than_hidden_against_formula(
     monkeypatch.setattr(fl, "TILE_MIN_VOCAB", 1)
     elem = tile_elem_bytes(dtype, entropy=bool(entropy_coef)) if dtype != torch.float32 else 8
     monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", elem * B * T * (8 if cols == "narrow" else 64))
-    kw = dict(temperature=0.7, bias=bias, entropy_coef=entropy_coef, loss_type="grpo")
-    kw["loss_agg_mode"] = "token-mean"
+    cfg = LossConfig(entropy_coef=entropy_coef, loss_type="grpo", loss_agg_mode="token-mean")
+    kw = dict(temperature=0.7, bias=bias)
 
     def run(fn, hh, ww, bb, **extra):
         hh = hh.detach().clone().requires_grad_(True)
@@ -518,15 +529,17 @@ def test_tiles_narrower_and_wider_than_hidden_against_formula(
         lambda a, b_, c: _grpo_token_mean_fp64(a, b_, c, y, old, adv, mask, 0.7, entropy_coef), h, w, bias
     )
     unf = run(
-        lambda a, b_, c: fused_linear_policy_loss_reference(a, b_, y, old, adv, mask, **dict(kw, bias=c))[0],
+        lambda a, b_, c: fused_linear_policy_loss_reference(
+            a, b_, y, old, adv, mask, cfg, **dict(kw, bias=c)
+        )[0],
         h,
         w,
         bias,
     )
     got = run(
-        lambda a, b_, c: fused_linear_policy_loss(a, b_, y, old, adv, mask, impl="torch", **dict(kw, bias=c))[
-            0
-        ],
+        lambda a, b_, c: fused_linear_policy_loss(
+            a, b_, y, old, adv, mask, cfg, impl="torch", **dict(kw, bias=c)
+        )[0],
         h,
         w,
         bias,

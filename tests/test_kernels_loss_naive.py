@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from bitrl.kernels import policy_loss
+from bitrl.kernels import LossConfig, policy_loss
 
 CLAMP = 20.0
 interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -188,36 +188,39 @@ CASES = [
 def test_loss_family_matches_naive_reference(impl, dtype, case):
     opts = dict(CASES[case])
     lp, old, adv, mask, ref, ent, rollout = _case(case, dtype=dtype)
-    kw = dict(
+    cfg = dict(
         loss_type=opts["loss_type"],
         loss_agg_mode=opts["agg"],
         eps_low=opts.get("eps_low", 0.2),
         eps_high=opts.get("eps_high", 0.2),
         clip_ratio_c=opts.get("clip_c"),
         delta=opts.get("delta"),
-        impl=impl,
     )
+    kw = dict(impl=impl)
     naive_kw = dict(
         loss_type=opts["loss_type"],
         agg=opts["agg"],
-        eps_low=kw["eps_low"],
-        eps_high=kw["eps_high"],
-        clip_c=kw["clip_ratio_c"],
-        delta=kw["delta"],
+        eps_low=cfg["eps_low"],
+        eps_high=cfg["eps_high"],
+        clip_c=cfg["clip_ratio_c"],
+        delta=cfg["delta"],
     )
     if "kl_coef" in opts:
-        kw.update(ref_logprobs=ref, kl_type=opts["kl_type"], kl_coef=opts["kl_coef"])
+        kw.update(ref_logprobs=ref)
+        cfg.update(kl_type=opts["kl_type"], kl_coef=opts["kl_coef"])
         naive_kw.update(ref=_floats(ref), kl_type=opts["kl_type"], kl_coef=opts["kl_coef"])
     if "ent_coef" in opts:
-        kw.update(entropy=ent, entropy_coef=opts["ent_coef"])
+        kw.update(entropy=ent)
+        cfg.update(entropy_coef=opts["ent_coef"])
         naive_kw.update(ent=_floats(ent), ent_coef=opts["ent_coef"])
     if "correction" in opts:
-        kw.update(rollout_logprobs=rollout, correction=opts["correction"])
+        kw.update(rollout_logprobs=rollout)
+        cfg.update(correction=opts["correction"])
         naive_kw.update(rollout=_floats(rollout), correction=opts["correction"])
     dev = "cuda" if impl == "triton" and not interpret else "cpu"
     kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     lp_leaf = lp.to(dev).requires_grad_(True)
-    loss, _ = policy_loss(lp_leaf, old.to(dev), adv.to(dev), mask.to(dev), **kw)
+    loss, _ = policy_loss(lp_leaf, old.to(dev), adv.to(dev), mask.to(dev), LossConfig(**cfg), **kw)
     loss.backward()
     adv_bt = adv.unsqueeze(-1).expand_as(old)
     want, want_grad = naive_loss(_floats(lp), _floats(old), _floats(adv_bt), mask.tolist(), **naive_kw)

@@ -7,7 +7,7 @@ import torch
 from conftest import make_qwen
 from test_kernels_helpers import assert_close
 
-from bitrl.kernels import fused_linear_policy_loss, fused_logprobs, policy_loss
+from bitrl.kernels import LossConfig, fused_linear_policy_loss, fused_logprobs, policy_loss
 
 pytest.importorskip("transformers")
 
@@ -45,7 +45,7 @@ def test_fused_path_matches_logits_path_on_a_model(tie):
         hidden = model.model(input_ids=ids).last_hidden_state[:, P - 1 : P - 1 + R]
         w = model.get_output_embeddings().weight
         return fused_linear_policy_loss(
-            hidden, w, resp, old, adv, mask, temperature=0.7, entropy_coef=0.01, impl="torch"
+            hidden, w, resp, old, adv, mask, LossConfig(entropy_coef=0.01), temperature=0.7, impl="torch"
         )[0]
 
     def unfused():
@@ -53,7 +53,8 @@ def test_fused_path_matches_logits_path_on_a_model(tie):
         logp = torch.log_softmax(logits, -1)
         lp = logp.gather(-1, resp[..., None])[..., 0]
         ent = -(logp.exp() * logp).sum(-1)
-        return policy_loss(lp, old, adv, mask, entropy=ent, entropy_coef=0.01, impl="reference")[0]
+        cfg = LossConfig(entropy_coef=0.01)
+        return policy_loss(lp, old, adv, mask, cfg, entropy=ent, impl="reference")[0]
 
     grads = []
     for fn in (fused, unfused):

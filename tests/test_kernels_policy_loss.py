@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 
@@ -11,7 +12,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_kernels_helpers import LOW_DTYPES, assert_as_accurate, assert_close, needs_triton, triton_device
 
-from bitrl.kernels import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES, policy_loss, register_correction
+from bitrl.kernels import (
+    AGGREGATIONS,
+    CORRECTIONS,
+    POLICY_LOSSES,
+    FusedFallbackWarning,
+    LossConfig,
+    policy_loss,
+    register_correction,
+    register_policy_loss,
+)
 from bitrl.kernels.policy_loss import CorrectionResult, seq_sum
 
 pl_triton = importlib.import_module("bitrl.kernels.policy_loss.triton")
@@ -89,7 +99,8 @@ HAND = [
 @pytest.mark.parametrize("case", HAND, ids=lambda c: f"{c[0]}-A{c[1]}-{sorted(c[2])}")
 def test_loss_types_by_hand(case, impl):
     loss_type, a, kw, want, want_grad, want_metrics = case
-    loss, g, met = _loss_and_grad(t([R]), t([[0.0, 0.0]]), t([a]), None, loss_type=loss_type, impl=impl, **kw)
+    cfg = LossConfig(loss_type=loss_type, **kw)
+    loss, g, met = _loss_and_grad(t([R]), t([[0.0, 0.0]]), t([a]), None, cfg, impl=impl)
     assert loss == pytest.approx(want, abs=1e-12)
     assert g[0].tolist() == pytest.approx(want_grad, abs=1e-12)
     for k, v in want_metrics.items():
@@ -98,7 +109,7 @@ def test_loss_types_by_hand(case, impl):
 
 def test_dual_clip_by_hand():
     lp = t([[math.log(4.0), math.log(0.5)]])
-    loss, g, met = _loss_and_grad(lp, t([[0.0, 0.0]]), t([-1.0]), None, clip_ratio_c=3.0)
+    loss, g, met = _loss_and_grad(lp, t([[0.0, 0.0]]), t([-1.0]), None, LossConfig(clip_ratio_c=3.0))
     assert loss == pytest.approx((3.0 + 0.8) / 2)
     assert g[0].tolist() == pytest.approx([0.0, 0.0])
     assert float(met["clipfrac_dual"]) == pytest.approx(0.5)
@@ -121,7 +132,7 @@ AGG = [
 @pytest.mark.parametrize("agg,kw,want", AGG, ids=lambda x: str(x))
 def test_aggregations_by_hand(agg, kw, want):
     lp = torch.zeros(2, 3, dtype=D)  # on-policy: r = 1, per-token loss = -A
-    loss, g, _ = _loss_and_grad(lp, None, t(AGG_ADV), t(AGG_MASK), loss_agg_mode=agg, **kw)
+    loss, g, _ = _loss_and_grad(lp, None, t(AGG_ADV), t(AGG_MASK), LossConfig(loss_agg_mode=agg, **kw))
     assert loss == pytest.approx(want)
     assert torch.all(g[t(AGG_MASK) == 0] == 0)
 
@@ -136,7 +147,8 @@ def test_aggregations_by_hand(agg, kw, want):
 )
 def test_kl_estimators_by_hand(kl_type, value, grad):
     lp, ref = t([[0.1]]), t([[0.3]])
-    loss, g, met = _loss_and_grad(lp, None, t([0.0]), None, ref_logprobs=ref, kl_type=kl_type, kl_coef=0.5)
+    cfg = LossConfig(kl_type=kl_type, kl_coef=0.5)
+    loss, g, met = _loss_and_grad(lp, None, t([0.0]), None, cfg, ref_logprobs=ref)
     assert loss == pytest.approx(0.5 * value)
     assert float(g) == pytest.approx(0.5 * grad)
     assert float(met["kl"]) == pytest.approx(value, rel=1e-6)
@@ -164,10 +176,9 @@ def test_corrections_by_hand(corr, kw, want, masked, impl):
         torch.zeros(2, 2, dtype=D),
         t([1.0, 1.0]),
         None,
+        LossConfig(correction=corr, **kw),
         rollout_logprobs=t(ROLL),
-        correction=corr,
         impl=impl,
-        **kw,
     )
     assert loss == pytest.approx(want)
     assert float(met["masked_frac"]) == pytest.approx(masked)
@@ -181,7 +192,7 @@ def test_corrections_by_hand(corr, kw, want, masked, impl):
 def test_entropy_bonus_by_hand():
     ent = t([[1.0, 2.0]]).requires_grad_(True)
     lp = torch.zeros(1, 2, dtype=D, requires_grad=True)
-    loss, met = policy_loss(lp, None, t([0.0]), None, entropy=ent, entropy_coef=0.1)
+    loss, met = policy_loss(lp, None, t([0.0]), None, LossConfig(entropy_coef=0.1), entropy=ent)
     g_lp, g_ent = torch.autograd.grad(loss, [lp, ent])
     assert float(loss.detach()) == pytest.approx(-0.15)
     assert g_ent[0].tolist() == pytest.approx([-0.05, -0.05])
@@ -192,7 +203,7 @@ def test_correction_weights_are_detached_and_is_weights_multiply():
     lp = torch.zeros(1, 2, dtype=D, requires_grad=True)
     roll = t([[math.log(0.5), 0.0]]).requires_grad_(True)
     old = torch.zeros(1, 2, dtype=D, requires_grad=True)
-    loss, _ = policy_loss(lp, old, t([1.0]), None, rollout_logprobs=roll, correction="tis-token")
+    loss, _ = policy_loss(lp, old, t([1.0]), None, LossConfig(correction="tis-token"), rollout_logprobs=roll)
     assert not torch.autograd.grad(loss, [lp], retain_graph=False)[0].isnan().any()
     loss2, _ = policy_loss(torch.zeros(1, 2, dtype=D), None, t([1.0]), None, is_weights=t([[2.0, 1.0]]))
     assert float(loss2) == pytest.approx(-1.5)
@@ -206,9 +217,8 @@ def test_registering_a_new_correction_is_one_function():
 
     try:
         lp = torch.zeros(2, 2, dtype=D)
-        loss, _ = policy_loss(
-            lp, lp, t([1.0, 2.0]), None, rollout_logprobs=t([[0, 0], [1, 1]]), correction="reject-k3-seq-test"
-        )
+        cfg = LossConfig(correction="reject-k3-seq-test")
+        loss, _ = policy_loss(lp, lp, t([1.0, 2.0]), None, cfg, rollout_logprobs=t([[0, 0], [1, 1]]))
         assert float(loss) == pytest.approx(-1.0)  # only the first sequence survives
     finally:
         del CORRECTIONS["reject-k3-seq-test"]
@@ -238,7 +248,7 @@ def test_nonfinite_inputs_raise_or_mask():
     assert torch.isfinite(loss) and torch.isfinite(g).all() and g[0, 1] == 0
     # mode "mask" drops the token
     x = bad.clone().requires_grad_(True)
-    loss, met = policy_loss(x, old, adv, mask, nonfinite="mask")
+    loss, met = policy_loss(x, old, adv, mask, LossConfig(nonfinite="mask"))
     (g,) = torch.autograd.grad(loss, [x])
     assert torch.isfinite(loss) and torch.isfinite(g).all()
     assert float(met["nonfinite_frac"]) == pytest.approx(1 / 6)
@@ -263,12 +273,14 @@ def test_validation_errors_name_the_argument():
         (dict(nonfinite="ignore"), "nonfinite"),
         (dict(impl="gpu"), "impl"),
     ]
+    fields = {f.name for f in dataclasses.fields(LossConfig)}
     for over, name in cases:
         kw = dict(ok)
         kw.update(over)
         args = [kw.pop("old_logprobs"), kw.pop("advantages"), kw.pop("mask")]
         with pytest.raises(ValueError, match=name):
-            policy_loss(lp, *args, **kw)
+            config = LossConfig(**{k: kw.pop(k) for k in list(kw) if k in fields})
+            policy_loss(lp, *args, config, **kw)
     with pytest.raises(ValueError, match="logprobs"):
         policy_loss(torch.zeros(3), None, torch.ones(3), None)
 
@@ -296,13 +308,11 @@ def _full(lp, old, adv, mask, ref, roll, ent, impl, **kw):
         old,
         adv,
         mask,
+        LossConfig(kl_coef=0.05, entropy_coef=0.01, **kw),
         ref_logprobs=ref,
-        kl_coef=0.05,
         entropy=ent,
-        entropy_coef=0.01,
         rollout_logprobs=roll,
         impl=impl,
-        **kw,
     )
     g_lp, g_ent = torch.autograd.grad(loss, [lp, ent])
     return loss.detach(), g_lp, g_ent, met
@@ -432,4 +442,57 @@ def test_wrong_device_names_the_argument():
     with pytest.raises(ValueError, match="mask"):
         policy_loss(lp, None, torch.ones(2), meta)
     with pytest.raises(ValueError, match="rollout_logprobs"):
-        policy_loss(lp, lp, torch.ones(2), None, rollout_logprobs=meta, correction="tis")
+        policy_loss(lp, lp, torch.ones(2), None, LossConfig(correction="tis"), rollout_logprobs=meta)
+
+
+def test_loss_config_validates_each_field():
+    for kw, name in [
+        (dict(eps_low=-0.1), "eps_low"),
+        (dict(eps_high=-0.1), "eps_high"),
+        (dict(delta=0.0), "delta"),
+        (dict(sapo_tau_pos=0.0), "sapo_tau_pos"),
+        (dict(sapo_tau_neg=-1.0), "sapo_tau_neg"),
+        (dict(loss_scale=0.0), "loss_scale"),
+        (dict(eps_low="wide"), "eps_low"),
+        (dict(correction=("tis-token", "nope")), "correction"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            LossConfig(**kw)
+    with pytest.raises(TypeError, match="clip_eps_low"):
+        LossConfig(clip_eps_low=0.2)
+    with pytest.raises(TypeError, match="loss_type"):
+        policy_loss(torch.zeros(1, 2), None, torch.ones(1), None, loss_type="grpo")
+    cfg = LossConfig(eps_low=0.1, correction=["tis-token", "mask-seq"], clip_ratio_c=3)
+    assert cfg.eps_high == 0.1 and cfg.corrections == ("tis-token", "mask-seq") and cfg.clip_ratio_c == 3.0
+
+
+def test_the_fused_kernel_table_is_the_registry_declaration():
+    declared = {fn.registry_name for fn in POLICY_LOSSES.values() if fn.fused}
+    assert set(pl_triton.triton_losses()) == declared == {"grpo", "cispo", "sapo"}
+    assert all(POLICY_LOSSES[name].token_level for name in declared)
+    with pytest.raises(ValueError, match="token_level"):
+        register_policy_loss("sequence-fused-test", fused=True)
+    assert "sequence-fused-test" not in POLICY_LOSSES
+
+
+@needs_triton
+@pytest.mark.parametrize("loss_type", ["gspo", "token-loss-test"])
+def test_a_loss_without_a_fused_kernel_falls_back_loudly(loss_type):
+    """A loss registered without fused=True (a sequence-level one, or a new token-level one) asked for on
+    Triton runs on the torch path, with one warning naming the loss and the path."""
+
+    @register_policy_loss("token-loss-test", token_level=True)
+    def _token_loss(lp, old, adv, mask, cfg, **_):
+        return POLICY_LOSSES["grpo"](lp, old, adv, mask, cfg)
+
+    try:
+        dev = triton_device()
+        case = [x.to(dev) for x in _random_case(2, 5, seed=1)]
+        want = _full(*case, "torch", loss_type=loss_type)
+        message = f"{loss_type!r} has no fused Triton kernel.*torch path"
+        with pytest.warns(FusedFallbackWarning, match=message):
+            got = _full(*case, "triton", loss_type=loss_type)
+        for a, b in zip(got[:3], want[:3]):
+            assert_close(a.cpu(), b.cpu(), atol=0, rtol=0)
+    finally:
+        del POLICY_LOSSES["token-loss-test"]

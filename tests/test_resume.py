@@ -43,7 +43,7 @@ REUSE = [
     "rollout.reuse.exact_topk=4",
     "rollout.reuse.refresh_flat=false",  # every reward is 0 here: refreshing would drop every draft
     "train.lr=3e-3",
-    "train.entropy_coef=0.05",  # moves the policy even while every reward is 0
+    "train.loss.entropy_coef=0.05",  # moves the policy even while every reward is 0
     "steps=24",
 ]
 
@@ -57,7 +57,7 @@ LORA = [
     "train.micro_batch_tokens=40",
     "train.gradient_checkpointing=true",
     "train.lr=1e-2",
-    "train.entropy_coef=0.05",
+    "train.loss.entropy_coef=0.05",
     "steps=12",
 ]
 

@@ -30,13 +30,12 @@ def test_other_advantages():
 @pytest.mark.parametrize("autocast", ["none", "bf16", "fp16"])
 def test_trainer_step_moves_probability_toward_positive_advantages(tiny_qwen, autocast):
     """One PolicyTrainer update raises the log-likelihood of rewarded responses relative to the others."""
-    from types import SimpleNamespace
-
+    from bitrl.engine.config import TrainConfig
     from bitrl.rollout.engine import generate
     from bitrl.train.logprobs import token_logprobs
     from bitrl.train.trainer import PolicyTrainer
 
-    cfg = SimpleNamespace(**TRAIN_CFG | {"minibatches": 2, "autocast": autocast})
+    cfg = TrainConfig(**TRAIN_CFG | {"minibatches": 2, "autocast": autocast})
     rollout = generate(
         tiny_qwen,
         [[1, 5, 6]] * 8,

@@ -82,8 +82,8 @@ def test_micro_batching_gives_the_one_batch_update(aggregation, correction, args
     their tokens (a normaliser taken per micro-batch instead of the global one would be off by ~1e-2)."""
     rollout = sample(make_qwen(**TINY_QWEN))
     advantages = torch.linspace(-1.5, 1.5, 8)
-    common = [f"train.aggregation={aggregation}", f"train.correction={correction}", "train.autocast=none"]
-    common.append(f"train.correction_args={__import__('json').dumps(args)}")
+    common = [f"train.loss.loss_agg_mode={aggregation}", f"train.loss.correction={correction}"]
+    common += ["train.autocast=none", *(f"train.loss.{k}={v}" for k, v in args.items())]
     results = {}
     for budget in (0, 10, 25):
         model = make_qwen(**TINY_QWEN)
@@ -116,7 +116,7 @@ def test_a_micro_batch_reads_few_values_back_to_the_host():
     for budget in (0, 25):  # one micro-batch, then several
         model = make_qwen(**TINY_QWEN)
         cfg = train_cfg(
-            "train.autocast=none", "train.correction=tis-token", f"train.micro_batch_tokens={budget}"
+            "train.autocast=none", "train.loss.correction=tis-token", f"train.micro_batch_tokens={budget}"
         )
         trainer = PolicyTrainer(model, cfg)
         old = trainer.old_logprobs(rollout)

@@ -8,6 +8,7 @@ trainable parameters only (the LoRA adapters when there are some).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import partial
 
@@ -62,23 +63,29 @@ def micro_batches(rows: torch.Tensor, seq_len: int, token_budget: int) -> list[t
     return list(rows.split(max(1, token_budget // seq_len)))
 
 
-def loss_config(args: dict, log_rho, mask, name: str) -> LossConfig:
-    """The correction's LossConfig; AIS's batch statistics are those of the global batch (all ranks)."""
-    cfg = LossConfig(**args)
-    if name == "ais" and is_distributed():
-        cfg.ais_moments = sum_over_ranks(ais_moments(log_rho, mask, cfg))
+def correction_config(cfg: LossConfig, log_rho, mask) -> LossConfig:
+    """The LossConfig the corrections see: AIS's batch statistics are the global batch's (all ranks)."""
+    if "ais" in cfg.corrections and is_distributed():
+        return dataclasses.replace(cfg, ais_moments=sum_over_ranks(ais_moments(log_rho, mask, cfg)))
     return cfg
 
 
-def correction_weights(old, rollout_logprobs, mask, name: str, args: dict):
-    """The rollout correction of a whole minibatch, from the old (trainer) and rollout log-probs: (weights
-    [B, T] fp32 or None, keep [B, T] bool). Computed once per minibatch so that batch-level corrections (AIS)
-    and token counts after masking do not depend on how the minibatch is split into micro-batches."""
+def correction_weights(old, rollout_logprobs, mask, cfg: LossConfig):
+    """The rollout correction ``cfg.correction`` of a whole minibatch, from the old (trainer) and rollout
+    log-probs: (weights [B, T] fp32 or None, keep [B, T] bool); several corrections multiply their weights and
+    intersect their masks. Computed once per minibatch so that batch-level corrections (AIS) and token counts
+    after masking do not depend on how the minibatch is split into micro-batches."""
     m = mask.float()
     log_rho = (old.float() - rollout_logprobs.float()) * m
-    result = get_correction(name)(log_rho, m, loss_config(args, log_rho, m, name))
-    keep = mask if result.keep is None else mask & result.keep
-    weight = None if result.weight is None else result.weight.detach().float()
+    cfg = correction_config(cfg, log_rho, m)
+    weight, keep = None, mask
+    for name in cfg.corrections:
+        result = get_correction(name)(log_rho, m, cfg)
+        if result.keep is not None:
+            keep = keep & result.keep
+        if result.weight is not None:
+            w = result.weight.detach().float()
+            weight = w if weight is None else weight * w
     return weight, keep
 
 
@@ -91,6 +98,7 @@ class PolicyTrainer:
 
     def __init__(self, policy: torch.nn.Module, cfg, temperature: float = 1.0):
         self.policy, self.cfg, self.temperature = policy, cfg, temperature
+        self.loss = cfg.loss.loss_config()  # train.loss: LossConfig's fields by their names
         self.micro_batch_tokens = getattr(cfg, "micro_batch_tokens", 0)
         self.trainable = [p for p in policy.parameters() if p.requires_grad]
         if not self.trainable:
@@ -162,11 +170,13 @@ class PolicyTrainer:
         micro-batch loss is normalised by the minibatch's token and sequence counts, so the micro-batch
         gradients add up to the one-batch gradient. Returns (loss, metrics) of the whole minibatch as floats.
         """
-        cfg = self.cfg
-        weights, keep = correction_weights(
-            old, rollout.logprobs, rollout.response_mask, cfg.correction, cfg.correction_args
-        )
+        weights, keep = correction_weights(old, rollout.logprobs, rollout.response_mask, self.loss)
         n_tokens, n_seqs = global_counts(keep)  # over all ranks when data-parallel
+        # the loss sees the correction as weights and a mask (the rollout log-probs only feed its mismatch
+        # metrics), and the minibatch's counts as normalisers
+        loss_cfg = dataclasses.replace(
+            self.loss, correction="none", global_token_count=n_tokens, global_seq_count=n_seqs
+        )
         # Sums stay on the device and are read once after the last micro-batch: a read per metric per
         # micro-batch would be a device sync each.
         zero = torch.zeros((), device=old.device)
@@ -188,20 +198,12 @@ class PolicyTrainer:
                 old[rows],
                 advantages[rows],
                 keep[rows],
+                loss_cfg,
                 bias=bias,
                 temperature=self.temperature,
                 compute_entropy=True,
-                loss_type=cfg.loss_type,
-                loss_agg_mode=cfg.aggregation,
-                eps_low=cfg.clip_eps_low,
-                eps_high=cfg.clip_eps_high,
-                clip_ratio_c=cfg.clip_ratio_c,
                 rollout_logprobs=part.logprobs,
                 is_weights=None if weights is None else weights[rows],
-                global_token_count=n_tokens,
-                global_seq_count=n_seqs,
-                **cfg.correction_args,
-                entropy_coef=cfg.entropy_coef,
             )
             # A non-finite loss is an error, found after the loop: the step it would poison never happens.
             finite = torch.isfinite(loss) & finite
@@ -267,9 +269,9 @@ class PolicyTrainer:
         out = {k: v / n_updates for k, v in sums.items()}
         out.update(mismatch_diagnostics(*gather_rows(old, rollout.logprobs, mask)))  # over all ranks
         # AIS: log the batch coefficient the correction applied (old weights, before the updates)
-        if cfg.correction == "ais":
+        if "ais" in self.loss.corrections:
             log_rho = old - rollout.logprobs
-            coef = ais_coefficients(log_rho, mask, loss_config(cfg.correction_args, log_rho, mask, "ais"))
+            coef = ais_coefficients(log_rho, mask, correction_config(self.loss, log_rho, mask))
             out.update({f"ais_{k}": float(v) for k, v in coef.items()})
         out["old_logprobs_time_s"] = t_old
         out["update_time_s"] = time.perf_counter() - t0 - t_old

@@ -1,5 +1,6 @@
-"""The clipped-ratio policy-loss family as one op: ``policy_loss(logprobs, old_logprobs, advantages, mask)``,
-and with the LM head fused in, ``fused_linear_policy_loss(hidden, weight, targets, ...)``.
+"""The clipped-ratio policy-loss family as one op: ``policy_loss(logprobs, old_logprobs, advantages, mask,
+config)``, and with the LM head fused in, ``fused_linear_policy_loss(hidden, weight, targets, old_logprobs,
+advantages, mask, config)``. Every option of the loss is a field of one ``LossConfig``, by one name.
 
 Modules:
 
@@ -16,12 +17,13 @@ Implementations (``impl=``, or ``BITRL_KERNEL_IMPL``):
 * ``"torch"``     - stage 2 inside an autograd Function that computes d loss / d logprobs (and / d entropy)
   in the forward and saves only those [B, T] gradients; backward is one multiply.
 * ``"triton"``    - stage 2 as one elementwise-plus-reduction Triton kernel producing the loss, the metric
-  sums and the gradients in one pass, for the token-level losses (grpo/ppo/vanilla, cispo, sapo) with
-  KL k1/k2/k3; the sequence-level losses (gspo, gmpo, vespo) and ``kl_is_correction`` use the torch path.
+  sums and the gradients in one pass, for the losses registered with ``fused=True`` (grpo/ppo/vanilla, cispo,
+  sapo) with KL k1/k2/k3; the others (gspo, gmpo, vespo, a newly registered loss) and ``kl_is_correction``
+  run on the torch path, with one ``FusedFallbackWarning`` naming the loss.
 """
 
 from . import corrections  # noqa: F401  (registers the rollout corrections)
-from .api import make_config, policy_loss, policy_loss_reference
+from .api import policy_loss, policy_loss_reference
 from .corrections import ais_coefficients, ais_moments
 from .fused_linear import fused_linear_policy_loss, fused_linear_policy_loss_reference
 from .plan import Plan, build_plan, evaluate_rows, finalize_metrics
@@ -29,6 +31,7 @@ from .registry import (
     AGGREGATIONS,
     CORRECTIONS,
     KL_ESTIMATORS,
+    PER_BATCH,
     POLICY_LOSSES,
     CorrectionResult,
     LossConfig,
@@ -44,13 +47,16 @@ from .registry import (
     seq_mean,
     seq_sum,
 )
+from .triton import FusedFallbackWarning
 
 __all__ = [
     "AGGREGATIONS",
     "CORRECTIONS",
     "KL_ESTIMATORS",
+    "PER_BATCH",
     "POLICY_LOSSES",
     "CorrectionResult",
+    "FusedFallbackWarning",
     "LossConfig",
     "LossTerms",
     "Plan",
@@ -65,7 +71,6 @@ __all__ = [
     "get_correction",
     "get_kl",
     "get_policy_loss",
-    "make_config",
     "policy_loss",
     "policy_loss_reference",
     "register_aggregation",

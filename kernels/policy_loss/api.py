@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from .._common import FLOAT_DTYPES, check_tensor, compute_dtype, resolve_impl
 from .plan import build_plan, evaluate_rows, finalize_metrics
 from .registry import LossConfig
-from .triton import evaluate_triton, triton_supported
+from .triton import evaluate_triton, triton_supported, warn_fallback
 
-__all__ = ["policy_loss", "policy_loss_reference", "make_config", "PolicyLossFunction"]
+__all__ = ["policy_loss", "policy_loss_reference", "PolicyLossFunction"]
 
 # ----------------------------------------------------------------------------------------------------------
 # autograd Function: gradients computed in the forward, saved as [B, T]
@@ -61,84 +59,18 @@ class PolicyLossFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def make_config(
-    *,
-    eps_low=0.2,
-    eps_high=None,
-    clip_ratio_c=None,
-    delta=None,
-    cispo_clip_max=None,
-    sapo_tau_pos=1.0,
-    sapo_tau_neg=1.05,
-    global_token_count=None,
-    global_seq_count=None,
-    loss_scale=None,
-    correction_cap=2.0,
-    correction_low=None,
-    correction_high=None,
-    icepop_alpha=0.5,
-    icepop_beta=5.0,
-    **extra,
-) -> LossConfig:
-    eps_high = eps_low if eps_high is None else eps_high
-    if eps_low < 0 or eps_high < 0:
-        raise ValueError("eps_low/eps_high: must be >= 0")
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c: the dual-clip constant must be > 1, got {clip_ratio_c}")
-    if delta is not None and delta <= 0:
-        raise ValueError(f"delta: must be > 0, got {delta}")
-    fields = LossConfig.__dataclass_fields__
-    known = {k: v for k, v in extra.items() if k in fields}
-    unknown = sorted(set(extra) - set(known))
-    if unknown:
-        raise TypeError(f"policy_loss() got unexpected keyword argument(s): {', '.join(unknown)}")
-    return LossConfig(
-        eps_low=float(eps_low),
-        eps_high=float(eps_high),
-        clip_ratio_c=clip_ratio_c,
-        delta=delta,
-        cispo_clip_max=cispo_clip_max,
-        sapo_tau_pos=float(sapo_tau_pos),
-        sapo_tau_neg=float(sapo_tau_neg),
-        global_token_count=global_token_count,
-        global_seq_count=global_seq_count,
-        loss_scale=loss_scale,
-        correction_cap=float(correction_cap),
-        correction_low=correction_low,
-        correction_high=correction_high,
-        icepop_alpha=float(icepop_alpha),
-        icepop_beta=float(icepop_beta),
-        **known,
-    )
-
-
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor | None,
+    config: LossConfig | None = None,
     *,
-    loss_type: str = "grpo",
-    loss_agg_mode: str = "token-mean",
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
-    clip_ratio_c: float | None = None,
-    delta: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
-    kl_type: str = "k3",
-    kl_coef: float = 0.0,
-    kl_is_correction: bool = False,
     entropy: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
     rollout_logprobs: torch.Tensor | None = None,
-    correction: str | Sequence[str] = "none",
-    global_token_count: float | torch.Tensor | None = None,
-    global_seq_count: float | torch.Tensor | None = None,
-    loss_scale: float | None = None,
     is_weights: torch.Tensor | None = None,
-    nonfinite: str = "raise",
     impl: str | None = None,
-    **kwargs,
 ):
     """The clipped-ratio policy loss with KL, entropy bonus and rollout correction, aggregated.
 
@@ -151,31 +83,16 @@ def policy_loss(
         ref_logprobs: [B, T] reference log-probs for the KL term / metric.
         entropy: [B, T] per-token entropy (e.g. from ``fused_logprobs``) for the bonus / metric.
         rollout_logprobs: [B, T] fp32 log-probs of the rollout engine (the distribution sampled from),
-            needed by ``correction``; rho_t = exp(old_logprobs - rollout_logprobs) (detached).
-
-    Options:
-        loss_type: a name in ``POLICY_LOSSES``: grpo/ppo/vanilla (clip), gspo, cispo, gmpo, sapo, vespo.
-        loss_agg_mode: a name in ``AGGREGATIONS``: token-mean, seq-mean-token-mean, seq-mean-token-sum,
-            seq-mean-token-sum-norm (= constant / dr_grpo: divides by ``loss_scale`` or B*T),
-            seq-len-weighted.
-        eps_low, eps_high: clip range [1 - eps_low, 1 + eps_high] (eps_high defaults to eps_low; DAPO: 0.28).
-        clip_ratio_c: dual-clip constant (> 1, typically 3) for A < 0; None disables it.
-        delta: two-sided clip, caps the unclipped ratio at delta.
-        cispo_clip_max, sapo_tau_pos, sapo_tau_neg: CISPO / SAPO parameters (keyword).
-        kl_type: k1 | k2 | k3 (``KL_ESTIMATORS``); kl_coef: weight of the KL term in the loss.
-        kl_is_correction: multiply the KL by the ratio r (importance-sampled KL).
-        entropy_coef: loss -= entropy_coef * aggregate(entropy).
-        correction: a name in ``CORRECTIONS`` or a list of them (weights multiply, masks intersect):
-            none, tis-token, tis-seq, mask-token, mask-seq, mask-geo, icepop. Parameters (keyword):
-            correction_cap (TIS C, 2.0), correction_low/high (masking bounds), icepop_alpha/beta (0.5, 5.0).
-        global_token_count / global_seq_count: normalisers shared across data-parallel ranks and
-            gradient-accumulation micro-batches (token-mean / sequence means).
+            needed by ``config.correction``; rho_t = exp(old_logprobs - rollout_logprobs) (detached).
         is_weights: optional precomputed, detached correction weights [B], [B, 1] or [B, T] (e.g. a vLLM
-            importance ratio) multiplied into the policy term together with ``correction``'s weights.
-        loss_scale: the constant of the constant-normaliser aggregation (Dr.GRPO: B * max_len).
-        nonfinite: "raise" (ValueError naming the argument) or "mask" (drop those tokens) for NaN/inf in
-            the inputs at unmasked positions. Masked positions may hold anything.
-        impl: "triton" | "torch" | "reference" (default: ``BITRL_KERNEL_IMPL`` or by device).
+            importance ratio) multiplied into the policy term together with the correction's weights.
+
+    config: the loss's options, a ``LossConfig`` (default ``LossConfig()``: GRPO clip 0.2, token mean):
+        loss type, clip range, aggregation, KL and entropy coefficients, rollout correction and their
+        parameters, non-finite handling, and the batch-wide normalisers ``global_token_count`` /
+        ``global_seq_count`` shared across data-parallel ranks and gradient-accumulation micro-batches.
+    impl: "triton" | "torch" | "reference" (default: ``BITRL_KERNEL_IMPL`` or by device). A loss that the
+        Triton kernel does not implement runs on the torch path, with a ``FusedFallbackWarning``.
 
     Returns:
         ``(loss, metrics)``: loss is a 0-dim fp32 tensor (fp64 for fp64 inputs); metrics maps names to
@@ -185,21 +102,14 @@ def policy_loss(
         rollout_logprobs).
         All reductions run in fp32; correction weights are detached.
     """
+    cfg = LossConfig() if config is None else config
+    if not isinstance(cfg, LossConfig):
+        raise TypeError(f"config: expected a LossConfig, got {type(cfg).__name__}")
     check_tensor("logprobs", logprobs, ndim=2, dtypes=FLOAT_DTYPES)
     B, T = logprobs.shape
     dev = logprobs.device
     if entropy is not None:
         check_tensor("entropy", entropy, shape=(B, T), dtypes=FLOAT_DTYPES, device=dev)
-    cfg = make_config(
-        eps_low=eps_low,
-        eps_high=eps_high,
-        clip_ratio_c=clip_ratio_c,
-        delta=delta,
-        global_token_count=global_token_count,
-        global_seq_count=global_seq_count,
-        loss_scale=loss_scale,
-        **kwargs,
-    )
     dtype = compute_dtype(logprobs, old_logprobs, advantages, ref_logprobs, rollout_logprobs)
     plan = build_plan(
         old_logprobs,
@@ -209,17 +119,9 @@ def policy_loss(
         T=T,
         device=dev,
         dtype=dtype,
-        loss_type=loss_type,
-        loss_agg_mode=loss_agg_mode,
-        cfg=cfg,
+        config=cfg,
         ref_logprobs=ref_logprobs,
         rollout_logprobs=rollout_logprobs,
-        correction=correction,
-        kl_type=kl_type,
-        kl_coef=kl_coef,
-        entropy_coef=entropy_coef,
-        kl_is_correction=kl_is_correction,
-        nonfinite=nonfinite,
         logprobs_for_checks=logprobs,
         is_weights=is_weights,
     )
@@ -229,8 +131,11 @@ def policy_loss(
             raise ValueError("entropy: non-finite value(s) at unmasked positions")
     fp64 = any(t is not None and t.dtype == torch.float64 for t in (logprobs, old_logprobs, advantages))
     impl = resolve_impl(impl, dev, op="policy_loss", dtype=torch.float64 if fp64 else logprobs.dtype)
-    if impl == "triton" and triton_supported(plan) is not None:
-        impl = "torch"  # documented fallback for sequence-level losses
+    if impl == "triton":
+        reason = triton_supported(plan)
+        if reason is not None:
+            warn_fallback("policy_loss", reason, "the torch path")
+            impl = "torch"
     if impl == "reference":
         loss, parts = evaluate_rows(logprobs, entropy, plan)
     else:

@@ -23,8 +23,6 @@ Liger-Kernel's ``LigerFusedLinearGRPOLoss``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from .._common import FLOAT_DTYPES, check_tensor, compute_dtype, resolve_impl
@@ -38,10 +36,10 @@ from ..fused_logprobs import (
     device_budget,
     validate_linear_inputs,
 )
-from .api import make_config, policy_loss
+from .api import policy_loss
 from .plan import build_plan, evaluate_rows, finalize_metrics, flat_plan, merge_parts
-from .registry import get_policy_loss
-from .triton import evaluate_triton, triton_supported
+from .registry import POLICY_LOSSES, LossConfig
+from .triton import evaluate_triton, triton_supported, warn_fallback
 
 __all__ = ["fused_linear_policy_loss", "fused_linear_policy_loss_reference"]
 
@@ -83,7 +81,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         valid = targets != ignore_index
         y = torch.where(valid, targets, torch.zeros_like(targets)).long()
         use_triton_loss = backend == "triton" and triton_supported(plan) is None
-        ent_grad = need_grad and plan.entropy_coef != 0
+        ent_grad = need_grad and plan.cfg.entropy_coef != 0
         # only tokens that enter the loss are computed: padding, ignored and correction-masked tokens get no
         # logits and no matmul rows (their log-prob is never used)
         active = plan.mask.reshape(-1) > 0
@@ -280,7 +278,7 @@ def _torch_backend(
     B, T = plan.mask.shape
     acc = acc_dtype(hidden)
     need_h, need_w, need_b = needs
-    ent_grad = need_grad and plan.entropy_coef != 0
+    ent_grad = need_grad and plan.cfg.entropy_coef != 0
     eng = TiledLinearSoftmax(
         hidden,
         weight,
@@ -336,33 +334,18 @@ def fused_linear_policy_loss(
     old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor | None = None,
+    config: LossConfig | None = None,
     *,
     bias: torch.Tensor | None = None,
     temperature: float | torch.Tensor = 1.0,
     ignore_index: int = -100,
-    loss_type: str = "grpo",
-    loss_agg_mode: str = "token-mean",
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
-    clip_ratio_c: float | None = None,
-    delta: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
-    kl_type: str = "k3",
-    kl_coef: float = 0.0,
-    kl_is_correction: bool = False,
-    entropy_coef: float = 0.0,
-    compute_entropy: bool = False,
     rollout_logprobs: torch.Tensor | None = None,
-    correction: str | Sequence[str] = "none",
     is_weights: torch.Tensor | None = None,
-    global_token_count: float | torch.Tensor | None = None,
-    global_seq_count: float | torch.Tensor | None = None,
-    loss_scale: float | None = None,
-    nonfinite: str = "raise",
+    compute_entropy: bool = False,
     chunk_size: int | None = None,
     check_finite: bool = True,
     impl: str | None = None,
-    **kwargs,
 ):
     """``policy_loss(fused_logprobs(hidden, weight, targets), ...)`` without logits and with one matmul fewer.
 
@@ -374,12 +357,15 @@ def fused_linear_policy_loss(
             (mask defaults to ``targets != ignore_index``; it is and-ed with that).
         temperature: float or [B, T] / [B*T] per-token tensor.
 
-    All loss options are those of ``policy_loss``. ``compute_entropy`` adds the entropy metric (it is
-    computed anyway when ``entropy_coef != 0``). ``chunk_size`` is the number of *sequences* per chunk
+    ``config`` is the ``LossConfig`` of ``policy_loss``. ``compute_entropy`` adds the entropy metric (it is
+    computed anyway when ``config.entropy_coef != 0``). ``chunk_size`` is the number of *sequences* per chunk
     (default: about 1 GiB of fp32 logits per chunk on CUDA; on the torch backend, see ``_torch_path``:
     16 MiB chunks of tokens or sequences for fp32, 32 MiB tiles holding every sequence when they can for
     bf16). Returns ``(loss, metrics)`` like ``policy_loss``.
     """
+    cfg = LossConfig() if config is None else config
+    if not isinstance(cfg, LossConfig):
+        raise TypeError(f"config: expected a LossConfig, got {type(cfg).__name__}")
     check_tensor("targets", targets, ndim=2, dtypes=(torch.int64, torch.int32))
     B, T = targets.shape
     h2 = _flatten_hidden(hidden, B, T)
@@ -395,6 +381,7 @@ def fused_linear_policy_loss(
         check_tensor("mask", mask, shape=(B, T), device=h2.device)
         mask = (mask != 0) & tmask
     impl = resolve_impl(impl, h2.device, op="fused_linear_policy_loss", dtype=h2.dtype)
+    tensors = dict(ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, is_weights=is_weights)
     if impl == "reference":
         return fused_linear_policy_loss_reference(
             hidden,
@@ -403,73 +390,28 @@ def fused_linear_policy_loss(
             old_logprobs,
             advantages,
             mask,
+            cfg,
             bias=bias,
             temperature=temperature,
             ignore_index=ignore_index,
-            loss_type=loss_type,
-            loss_agg_mode=loss_agg_mode,
-            eps_low=eps_low,
-            eps_high=eps_high,
-            clip_ratio_c=clip_ratio_c,
-            delta=delta,
-            ref_logprobs=ref_logprobs,
-            kl_type=kl_type,
-            kl_coef=kl_coef,
-            kl_is_correction=kl_is_correction,
-            entropy_coef=entropy_coef,
             compute_entropy=compute_entropy,
-            rollout_logprobs=rollout_logprobs,
-            correction=correction,
-            is_weights=is_weights,
-            global_token_count=global_token_count,
-            global_seq_count=global_seq_count,
-            loss_scale=loss_scale,
-            nonfinite=nonfinite,
-            **kwargs,
+            **tensors,
         )
-    cfg = make_config(
-        eps_low=eps_low,
-        eps_high=eps_high,
-        clip_ratio_c=clip_ratio_c,
-        delta=delta,
-        global_token_count=global_token_count,
-        global_seq_count=global_seq_count,
-        loss_scale=loss_scale,
-        **kwargs,
-    )
     dtype = compute_dtype(h2, old_logprobs, advantages)
     plan = build_plan(
-        old_logprobs,
-        advantages,
-        mask,
-        B=B,
-        T=T,
-        device=h2.device,
-        dtype=dtype,
-        loss_type=loss_type,
-        loss_agg_mode=loss_agg_mode,
-        cfg=cfg,
-        ref_logprobs=ref_logprobs,
-        rollout_logprobs=rollout_logprobs,
-        correction=correction,
-        kl_type=kl_type,
-        kl_coef=kl_coef,
-        entropy_coef=entropy_coef,
-        kl_is_correction=kl_is_correction,
-        nonfinite=nonfinite,
-        is_weights=is_weights,
+        old_logprobs, advantages, mask, B=B, T=T, device=h2.device, dtype=dtype, config=cfg, **tensors
     )
-    if (
-        old_logprobs is None
-        and rollout_logprobs is not None
-        and correction not in ("none", ["none"], ("none",))
-    ):
+    if old_logprobs is None and rollout_logprobs is not None and any(n != "none" for n in cfg.corrections):
         raise ValueError("old_logprobs: required for a rollout correction in fused_linear_policy_loss")
     if chunk_size is not None and int(chunk_size) <= 0:
         raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
-    token_level = getattr(get_policy_loss(loss_type), "token_level", False)
+    if impl == "triton":
+        reason = triton_supported(plan)
+        if reason is not None:
+            warn_fallback("fused_linear_policy_loss", reason, "its loss terms on the torch path")
+    token_level = POLICY_LOSSES[plan.loss_type].token_level
     tiled, chunking = _torch_path(impl, h2, B, T, weight.shape[0], chunk_size, token_level)
-    need_ent = bool(compute_entropy or entropy_coef)
+    need_ent = bool(compute_entropy or cfg.entropy_coef)
     out: dict = {}
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))
     unit_t = not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0
@@ -501,20 +443,27 @@ def fused_linear_policy_loss_reference(
     old_logprobs,
     advantages,
     mask=None,
+    config: LossConfig | None = None,
     *,
     bias=None,
     temperature=1.0,
     ignore_index=-100,
+    ref_logprobs=None,
+    rollout_logprobs=None,
+    is_weights=None,
     compute_entropy=False,
-    entropy_coef=0.0,
-    **kwargs,
+    chunk_size=None,
+    check_finite=True,
+    impl=None,
 ):
-    """The unfused path: full logits -> log_softmax -> gather -> ``policy_loss`` (impl="reference")."""
+    """The unfused path: full logits -> log_softmax -> gather -> ``policy_loss`` (impl="reference").
+    Takes the arguments of ``fused_linear_policy_loss``; chunk_size, check_finite and impl do not apply."""
     from ..fused_logprobs import fused_logprobs_reference
 
+    cfg = LossConfig() if config is None else config
     B, T = targets.shape
     h2 = hidden.reshape(B * T, hidden.shape[-1])
-    need_ent = bool(compute_entropy or entropy_coef)
+    need_ent = bool(compute_entropy or cfg.entropy_coef)
     lp, ent = fused_logprobs_reference(
         h2,
         weight,
@@ -526,16 +475,15 @@ def fused_linear_policy_loss_reference(
     )
     tmask = targets != ignore_index
     mask = tmask if mask is None else (mask != 0) & tmask
-    kwargs.pop("impl", None)
-    kwargs.pop("chunk_size", None)
-    kwargs.pop("check_finite", None)
     return policy_loss(
         lp.view(B, T),
         old_logprobs,
         advantages,
         mask,
+        cfg,
+        ref_logprobs=ref_logprobs,
         entropy=None if ent is None else ent.view(B, T),
-        entropy_coef=entropy_coef,
+        rollout_logprobs=rollout_logprobs,
+        is_weights=is_weights,
         impl="reference",
-        **kwargs,
     )

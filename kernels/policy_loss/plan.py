@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,13 +50,8 @@ class Plan:
     corr: torch.Tensor | None  # correction weight for the policy term
     ref: torch.Tensor | None
     cfg: LossConfig
-    loss_type: str
-    kl_type: str
-    kl_coef: float
-    entropy_coef: float
-    kl_is_correction: bool
+    loss_type: str  # the registered name of cfg.loss_type (aliases resolved)
     on_policy: bool  # old_logprobs was None: old := logprobs.detach()
-    nonfinite: str
     metrics: dict  # metrics known after stage 1 (corrections, masking)
 
 
@@ -86,30 +80,20 @@ def build_plan(
     T: int,
     device,
     dtype: torch.dtype,
-    loss_type: str,
-    loss_agg_mode: str,
-    cfg: LossConfig,
+    config: LossConfig,
     ref_logprobs=None,
     rollout_logprobs=None,
-    correction: str | Sequence[str] = "none",
-    kl_type: str = "k3",
-    kl_coef: float = 0.0,
-    entropy_coef: float = 0.0,
-    kl_is_correction: bool = False,
-    nonfinite: str = "raise",
     logprobs_for_checks: torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
 ) -> Plan:
     """Stage 1: validation, correction weights, effective mask and aggregation weights (all detached)."""
-    loss_fn = get_policy_loss(loss_type)
-    agg_fn = get_aggregation(loss_agg_mode)
-    if ref_logprobs is not None or kl_coef:
-        get_kl(kl_type)
-    names = [correction] if isinstance(correction, str) else list(correction)
+    cfg = config
+    loss_fn = get_policy_loss(cfg.loss_type)
+    agg_fn = get_aggregation(cfg.loss_agg_mode)
+    names = cfg.corrections
     corr_fns = [get_correction(n) for n in names]
-    if nonfinite not in ("raise", "mask"):
-        raise ValueError(f"nonfinite: expected 'raise' or 'mask', got {nonfinite!r}")
-    if kl_coef and ref_logprobs is None:
+    nonfinite = cfg.nonfinite
+    if cfg.kl_coef and ref_logprobs is None:
         raise ValueError("ref_logprobs: required when kl_coef != 0")
 
     if mask is None:
@@ -227,13 +211,8 @@ def build_plan(
         corr=corr_w,
         ref=ref_c,
         cfg=cfg,
-        loss_type=loss_fn.registry_name if hasattr(loss_fn, "registry_name") else loss_type,
-        kl_type=kl_type,
-        kl_coef=float(kl_coef),
-        entropy_coef=float(entropy_coef),
-        kl_is_correction=bool(kl_is_correction),
+        loss_type=loss_fn.registry_name,
         on_policy=on_policy,
-        nonfinite=nonfinite,
         metrics=metrics,
     )
 
@@ -276,11 +255,11 @@ def evaluate_rows(lp: torch.Tensor, ent: torch.Tensor | None, plan: Plan, rows: 
     corr = None if plan.corr is None else plan.corr[sl]
     fn = get_policy_loss(plan.loss_type)
     kwargs = {}
-    if getattr(fn, "uses_is_weight", False):
+    if fn.uses_is_weight:
         kwargs["is_weight"] = corr
     terms = fn(lp, old, adv, m, plan.cfg, **kwargs)
     pg = terms.loss
-    if corr is not None and not getattr(fn, "uses_is_weight", False):
+    if corr is not None and not fn.uses_is_weight:
         pg = pg * corr
     pg_sum = (w * pg).sum()
     loss = pg_sum
@@ -290,13 +269,13 @@ def evaluate_rows(lp: torch.Tensor, ent: torch.Tensor | None, plan: Plan, rows: 
     parts["kl_term"] = zero
     parts["kl_sum"] = zero
     if plan.ref is not None:
-        kl = get_kl(plan.kl_type)(lp, plan.ref[sl])
-        if plan.kl_is_correction:
+        kl = get_kl(plan.cfg.kl_type)(lp, plan.ref[sl])
+        if plan.cfg.kl_is_correction:
             log_r = terms.log_ratio if terms.log_ratio is not None else (lp - old).clamp(-20.0, 20.0)
             kl = kl * torch.exp(log_r)
         kl_term = (w * kl).sum()
-        if plan.kl_coef:
-            loss = loss + plan.kl_coef * kl_term
+        if plan.cfg.kl_coef:
+            loss = loss + plan.cfg.kl_coef * kl_term
         parts["kl_term"] = kl_term.detach()
         parts["kl_sum"] = (m * kl.detach()).sum()
     parts["ent_term"] = zero
@@ -304,8 +283,8 @@ def evaluate_rows(lp: torch.Tensor, ent: torch.Tensor | None, plan: Plan, rows: 
     if ent is not None:
         ent = torch.where(m > 0, ent.to(m.dtype), torch.zeros((), dtype=m.dtype, device=m.device))
         ent_term = (w * ent).sum()
-        if plan.entropy_coef:
-            loss = loss - plan.entropy_coef * ent_term
+        if plan.cfg.entropy_coef:
+            loss = loss - plan.cfg.entropy_coef * ent_term
         parts["ent_term"] = ent_term.detach()
         parts["ent_sum"] = (m * ent.detach()).sum()
     parts["n"] = m.sum()

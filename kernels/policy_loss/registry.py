@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 
 import torch
 
@@ -32,6 +32,7 @@ __all__ = [
     "CorrectionResult",
     "LossConfig",
     "LossTerms",
+    "PER_BATCH",
     "get_aggregation",
     "get_correction",
     "get_kl",
@@ -45,37 +46,117 @@ __all__ = [
 ]
 
 
+# The metadata of LossConfig's per-batch fields: set by the caller for each batch (normalisers shared by
+# data-parallel ranks and gradient-accumulation micro-batches), not hyper-parameters a config file sets.
+PER_BATCH = {"per_batch": True}
+# ... and of the parameters of the rollout corrections (what an integration lets its caller set beside
+# ``correction``)
+OF_CORRECTION = {"of_correction": True}
+
+
 @dataclass
 class LossConfig:
-    """Hyper-parameters of the loss family (plain Python numbers; see ``policy_loss`` for the meaning)."""
+    """Every option of the policy loss, each under one name: ``policy_loss``, ``fused_linear_policy_loss``,
+    their references, ``build_plan`` and the trainer's ``train.loss`` section all take one LossConfig.
 
+    Validated on construction (also by ``dataclasses.replace``): a bad value raises ValueError naming the
+    field, an unknown field is a TypeError. Plain Python values, except the per-batch fields.
+    """
+
+    # the policy term, a name in POLICY_LOSSES: grpo/ppo/vanilla (clip), gspo, cispo, gmpo, sapo, vespo
+    loss_type: str = "grpo"
+    # clip range [1 - eps_low, 1 + eps_high] (gmpo: bounds of the log-ratio); eps_high None: eps_low
+    # (DAPO's clip-higher is 0.28)
     eps_low: float = 0.2
-    eps_high: float = 0.2
-    clip_ratio_c: float | None = None
-    delta: float | None = None
-    cispo_clip_max: float | None = None
-    sapo_tau_pos: float = 1.0
+    eps_high: float | None = None
+    clip_ratio_c: float | None = None  # dual-clip constant (> 1, typically 3) for A < 0; None disables it
+    delta: float | None = None  # two-sided clip: caps the unclipped ratio at delta (> 0)
+    cispo_clip_max: float | None = None  # CISPO's ratio cap; None: 1 + eps_high
+    sapo_tau_pos: float = 1.0  # SAPO's temperatures for A > 0 and A <= 0 (> 0)
     sapo_tau_neg: float = 1.05
-    vespo_k_pos: float = 2.0
+    vespo_k_pos: float = 2.0  # VESPO's (k, lambda) for A >= 0 and A < 0
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
-    log_ratio_clamp: float = 20.0
-    # aggregation
-    global_token_count: float | torch.Tensor | None = None
-    global_seq_count: float | torch.Tensor | None = None
+    log_ratio_clamp: float = 20.0  # log r is clamped to +-this before exp
+    # aggregation, a name in AGGREGATIONS: token-mean, seq-mean-token-mean, seq-mean-token-sum,
+    # seq-mean-token-sum-norm (= constant / dr_grpo: divides by loss_scale, default B * T), seq-len-weighted;
+    # loss_scale is the constant of the constant normaliser (Dr.GRPO: B * max_len)
+    loss_agg_mode: str = "token-mean"
     loss_scale: float | None = None
-    # corrections
-    correction_cap: float = 2.0
-    correction_low: float | None = None
-    correction_high: float | None = None
-    icepop_alpha: float = 0.5
-    icepop_beta: float = 5.0
-    reject_threshold: float | None = None  # rejection by divergence; None: the divergence at rho = 2
-    ais_kl_scale: float = 0.01  # AIS: k3 KL (nats/token) at which the severity reaches 1 - 1/e
-    ais_min_ess: float = 0.5  # AIS: below this ESS, tokens with rho outside [1/C, C] are masked
-    ais_moments: torch.Tensor | None = None  # AIS: the whole batch's `ais_moments` when given a shard of it
-    extra: dict = field(default_factory=dict)
+    # KL to the reference policy (needs ref_logprobs when kl_coef != 0), a name in KL_ESTIMATORS: k1, k2, k3
+    kl_type: str = "k3"
+    kl_coef: float = 0.0  # weight of the KL term in the loss
+    kl_is_correction: bool = False  # multiply the KL by the ratio r (importance-sampled KL)
+    entropy_coef: float = 0.0  # loss -= entropy_coef * aggregate(entropy)
+    # rollout correction (needs rollout_logprobs), a name in CORRECTIONS or a tuple of them (weights
+    # multiply, masks intersect): none, tis-token, tis-seq, mask-token, mask-seq, mask-geo, icepop, ais, ...
+    correction: str | tuple[str, ...] = "none"
+    # the corrections' parameters
+    correction_cap: float = field(default=2.0, metadata=OF_CORRECTION)  # TIS's cap C (also AIS's)
+    # masking bounds; None: each correction's own
+    correction_low: float | None = field(default=None, metadata=OF_CORRECTION)
+    correction_high: float | None = field(default=None, metadata=OF_CORRECTION)
+    icepop_alpha: float = field(default=0.5, metadata=OF_CORRECTION)  # IcePop's window [alpha, beta]
+    icepop_beta: float = field(default=5.0, metadata=OF_CORRECTION)
+    # rejection by divergence; None: the divergence at rho = 2
+    reject_threshold: float | None = field(default=None, metadata=OF_CORRECTION)
+    # AIS: the k3 KL (nats/token) at which the severity reaches 1 - 1/e, and the ESS below which the tokens
+    # with rho outside [1/C, C] are masked
+    ais_kl_scale: float = field(default=0.01, metadata=OF_CORRECTION)
+    ais_min_ess: float = field(default=0.5, metadata=OF_CORRECTION)
+    # NaN/inf in the inputs at unmasked positions: "raise" (ValueError naming the argument) or "mask" (drop
+    # those tokens); masked positions may hold anything
+    nonfinite: str = "raise"
+    # per batch: the token / sequence counts of the whole batch (all ranks, all micro-batches; a number or a
+    # 0-dim tensor), and AIS's ``ais_moments`` of the whole batch when the loss sees a shard of it
+    global_token_count: float | torch.Tensor | None = field(default=None, metadata=PER_BATCH)
+    global_seq_count: float | torch.Tensor | None = field(default=None, metadata=PER_BATCH)
+    ais_moments: torch.Tensor | None = field(default=None, metadata=PER_BATCH)
+
+    def __post_init__(self):
+        if self.eps_high is None:
+            self.eps_high = self.eps_low
+        for name in _NUMBERS:
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    setattr(self, name, float(value))
+                except (TypeError, ValueError):
+                    raise ValueError(f"{name}: expected a number, got {value!r}") from None
+        if not isinstance(self.correction, str):
+            self.correction = tuple(self.correction)
+        get_policy_loss(self.loss_type)
+        get_aggregation(self.loss_agg_mode)
+        get_kl(self.kl_type)
+        for name in self.corrections:
+            get_correction(name)
+        for name in ("eps_low", "eps_high"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c: the dual-clip constant must be > 1, got {self.clip_ratio_c}")
+        for name in ("delta", "loss_scale", "sapo_tau_pos", "sapo_tau_neg"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}: must be > 0, got {value}")
+        if self.nonfinite not in ("raise", "mask"):
+            raise ValueError(f"nonfinite: expected 'raise' or 'mask', got {self.nonfinite!r}")
+
+    @property
+    def corrections(self) -> tuple[str, ...]:
+        """The rollout corrections as a tuple of names."""
+        return (self.correction,) if isinstance(self.correction, str) else self.correction
+
+    @classmethod
+    def hyperparameters(cls) -> tuple[Field, ...]:
+        """The fields a config file may set: all but the per-batch ones."""
+        return tuple(f for f in fields(cls) if not f.metadata.get("per_batch"))
+
+    @classmethod
+    def correction_parameters(cls) -> tuple[str, ...]:
+        """The names of the rollout corrections' parameters (correction_cap, icepop_alpha, ...)."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("of_correction"))
 
 
 @dataclass
@@ -97,6 +178,9 @@ class CorrectionResult:
     weight: torch.Tensor | None = None  # [B, T] multiplies the policy-gradient term (detached)
     keep: torch.Tensor | None = None  # [B, T] bool; False removes the token from the loss and its normaliser
 
+
+# the hyper-parameters held as Python floats (ints given are converted)
+_NUMBERS = tuple(f.name for f in LossConfig.hyperparameters() if f.type in ("float", "float | None"))
 
 POLICY_LOSSES: dict[str, Callable] = {}
 AGGREGATIONS: dict[str, Callable] = {}
@@ -127,10 +211,28 @@ def _registrar(table: dict, kind: str):
     return register, get
 
 
-register_policy_loss, _get_policy_loss = _registrar(POLICY_LOSSES, "policy loss")
+_register_policy_loss, _get_policy_loss = _registrar(POLICY_LOSSES, "policy loss")
 register_aggregation, _get_aggregation = _registrar(AGGREGATIONS, "aggregation")
 register_kl, _get_kl = _registrar(KL_ESTIMATORS, "KL estimator")
 register_correction, _get_correction = _registrar(CORRECTIONS, "rollout correction")
+
+
+def register_policy_loss(
+    name: str, *aliases: str, token_level: bool = False, fused: bool = False, uses_is_weight: bool = False
+):
+    """``@register_policy_loss("name", *aliases, ...)``: a policy loss ``fn(lp, old, adv, mask, cfg, *,
+    is_weight=None) -> LossTerms``, with what the dispatch needs to know about it:
+
+    token_level: each token's terms depend on no other token of its sequence (chunks may cross sequences).
+    fused: the fused Triton kernel implements it (a branch of ``triton._policy_loss_kernel``); a loss
+        without one runs on the torch path, with a warning where the fused path was asked for or picked.
+    uses_is_weight: it takes the correction weight itself (``is_weight=``) instead of being multiplied by it.
+    """
+    if fused and not token_level:
+        raise ValueError(f"policy loss {name!r}: fused=True needs token_level=True (the kernel is per token)")
+    return _register_policy_loss(
+        name, *aliases, token_level=token_level, fused=fused, uses_is_weight=uses_is_weight
+    )
 
 
 def get_policy_loss(name: str) -> Callable:
@@ -193,7 +295,7 @@ def _clipped_surrogate(log_r, adv, cfg: LossConfig) -> LossTerms:
     return LossTerms(loss, rd, clipped_low, clipped_high, clipped_dual, log_r)
 
 
-@register_policy_loss("grpo", "ppo", "vanilla", token_level=True)
+@register_policy_loss("grpo", "ppo", "vanilla", token_level=True, fused=True)
 def clip_loss(lp, old, adv, mask, cfg: LossConfig, **_) -> LossTerms:
     """PPO/GRPO clip: -min(r A, clip(r, 1-eps_low, 1+eps_high) A).
 
@@ -203,7 +305,7 @@ def clip_loss(lp, old, adv, mask, cfg: LossConfig, **_) -> LossTerms:
     return _clipped_surrogate(_log_ratio(lp, old, cfg), adv, cfg)
 
 
-@register_policy_loss("gspo", token_level=False)
+@register_policy_loss("gspo")
 def gspo_loss(lp, old, adv, mask, cfg: LossConfig, **_) -> LossTerms:
     """GSPO: the clipped surrogate on the sequence ratio s = exp(mean_t log r_t), broadcast to the tokens.
 
@@ -213,7 +315,7 @@ def gspo_loss(lp, old, adv, mask, cfg: LossConfig, **_) -> LossTerms:
     return _clipped_surrogate(log_s, adv, cfg)
 
 
-@register_policy_loss("cispo", token_level=True)
+@register_policy_loss("cispo", token_level=True, fused=True)
 def cispo_loss(lp, old, adv, mask, cfg: LossConfig, **_) -> LossTerms:
     """CISPO: -sg(min(r, r_max)) A lp, r_max = ``cispo_clip_max`` (default 1 + eps_high)."""
     r = torch.exp(_log_ratio(lp, old, cfg)).detach()
@@ -222,18 +324,16 @@ def cispo_loss(lp, old, adv, mask, cfg: LossConfig, **_) -> LossTerms:
     return LossTerms(-w * adv * lp, r, torch.zeros_like(r, dtype=torch.bool), (r > r_max) & (adv > 0))
 
 
-@register_policy_loss("sapo", token_level=True)
+@register_policy_loss("sapo", token_level=True, fused=True)
 def sapo_loss(lp, old, adv, mask, cfg: LossConfig, **_) -> LossTerms:
     """SAPO: -sigmoid(tau (r - 1)) 4 / tau A, tau = sapo_tau_pos for A > 0 else sapo_tau_neg."""
-    if cfg.sapo_tau_pos <= 0 or cfg.sapo_tau_neg <= 0:
-        raise ValueError("sapo_tau_pos/sapo_tau_neg: must be > 0")
     r = torch.exp(_log_ratio(lp, old, cfg))
     tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(r.dtype)
     loss = -torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * adv
     return LossTerms(loss, r.detach())
 
 
-@register_policy_loss("gmpo", token_level=False)
+@register_policy_loss("gmpo")
 def gmpo_loss(lp, old, adv, mask, cfg: LossConfig, **_) -> LossTerms:
     """GMPO: -A_seq exp(mean_t clip_A(log r_t)), the geometric mean of token ratios clipped in log space.
 
@@ -253,7 +353,7 @@ def gmpo_loss(lp, old, adv, mask, cfg: LossConfig, **_) -> LossTerms:
     return LossTerms(loss, torch.exp(lrd), clipped_low, clipped_high)
 
 
-@register_policy_loss("vespo", token_level=False, uses_is_weight=True)
+@register_policy_loss("vespo", uses_is_weight=True)
 def vespo_loss(lp, old, adv, mask, cfg: LossConfig, *, is_weight=None, **_) -> LossTerms:
     """VESPO: -sg(phi(w_seq)) A lp with phi(w) = e^lambda w^k e^(-lambda w) (phi(1) = 1).
 
@@ -316,9 +416,7 @@ def agg_seq_mean_token_sum(mask, cfg: LossConfig):
 @register_aggregation("seq-mean-token-sum-norm", "constant", "dr_grpo")
 def agg_constant(mask, cfg: LossConfig):
     """Dr.GRPO: sum(m l) / constant, constant = ``loss_scale`` (default B * T, i.e. B * max_len)."""
-    if cfg.loss_scale is not None:
-        if not cfg.loss_scale > 0:
-            raise ValueError(f"loss_scale: must be > 0, got {cfg.loss_scale}")
+    if cfg.loss_scale is not None:  # > 0 (LossConfig checks)
         return mask / float(cfg.loss_scale)
     return mask / _n_seq(mask, cfg) / float(mask.shape[1])
 

@@ -1,22 +1,36 @@
 """The Triton policy-loss kernel: token-level loss + metrics + gradients in one elementwise-plus-reduction
 pass over the [B, T] tokens of a plan (``evaluate_triton``), for the losses registered with ``fused=True``.
+
+Which losses run here is the registry's declaration (``@register_policy_loss(..., fused=True)``);
+``triton_losses()`` derives the kernel's table from it. A plan the kernel cannot evaluate (a loss without
+``fused=True``, ``kl_is_correction``, fp64) runs on the torch path, with one ``FusedFallbackWarning`` naming
+the loss and the path taken (``warn_fallback``).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
 from .._common import HAS_TRITON
 from .plan import _SUM_KEYS, Plan
+from .registry import POLICY_LOSSES
 
-__all__ = ["POLICY_BLOCK", "evaluate_triton", "triton_supported"]
+__all__ = [
+    "KERNEL_BRANCHES",
+    "POLICY_BLOCK",
+    "TRITON_KL",
+    "FusedFallbackWarning",
+    "evaluate_triton",
+    "triton_losses",
+    "triton_supported",
+    "warn_fallback",
+]
 
-# ----------------------------------------------------------------------------------------------------------
-# Triton: token-level loss + metrics + gradients in one elementwise-plus-reduction pass
-# ----------------------------------------------------------------------------------------------------------
-
-_TRITON_LOSSES = {"grpo": 0, "cispo": 1, "sapo": 2}
-_TRITON_KL = {"k1": 1, "k2": 2, "k3": 3}
+# The kernel's LOSS branches, by the registered name of the policy loss each computes (LOSS = the index).
+KERNEL_BRANCHES = ("grpo", "cispo", "sapo")
+TRITON_KL = {"k1": 1, "k2": 2, "k3": 3}
 # partial sums per program: pg, kl_term, ent_term, n, clip_low, clip_high, clip_dual, ratio_sum, kl_sum,
 # ent_sum, ratio_min, ratio_max
 _NPART = 12
@@ -152,17 +166,49 @@ if HAS_TRITON:
         tl.store(base + 11, tl.max(tl.where(m > 0, r, -3.0e38), axis=0))
 
 
+class FusedFallbackWarning(UserWarning):
+    """A policy loss expected on the fused Triton kernel runs on the torch path instead."""
+
+
+def triton_losses() -> dict[str, int]:
+    """The fused kernel's table, derived from the registry: the registered name of every policy loss declared
+    ``fused=True`` -> its kernel branch (the LOSS constexpr)."""
+    fused = {fn.registry_name for fn in POLICY_LOSSES.values() if fn.fused}
+    return {name: KERNEL_BRANCHES.index(name) for name in sorted(fused) if name in KERNEL_BRANCHES}
+
+
+def _check_declarations():
+    """Every kernel branch is a loss declared fused=True, and every built-in one declared so has a branch."""
+    fused = {fn.registry_name for fn in POLICY_LOSSES.values() if fn.fused}
+    if fused != set(KERNEL_BRANCHES):
+        raise RuntimeError(
+            f"policy losses declared fused=True {sorted(fused)} differ from the Triton kernel's branches "
+            f"{sorted(KERNEL_BRANCHES)}"
+        )
+
+
+_check_declarations()
+
+
 def triton_supported(plan: Plan) -> str | None:
-    """Why the Triton kernel cannot evaluate this plan (None when it can)."""
-    if plan.loss_type not in _TRITON_LOSSES:
-        return f"loss_type {plan.loss_type!r} is sequence-level"
-    if plan.kl_is_correction:
-        return "kl_is_correction"
-    if plan.ref is not None and plan.kl_type not in _TRITON_KL:
-        return f"kl_type {plan.kl_type!r}"
+    """Why the Triton kernel cannot evaluate this plan, naming the loss (None when it can)."""
+    name, cfg = plan.loss_type, plan.cfg
+    if not POLICY_LOSSES[name].fused:
+        return f"loss_type {name!r} has no fused Triton kernel (it is registered without fused=True)"
+    if name not in KERNEL_BRANCHES:
+        return f"loss_type {name!r} is registered with fused=True, but the Triton kernel has no branch for it"
+    if cfg.kl_is_correction:
+        return f"loss_type {name!r} with kl_is_correction has no fused Triton kernel"
+    if plan.ref is not None and cfg.kl_type not in TRITON_KL:
+        return f"loss_type {name!r} with kl_type {cfg.kl_type!r} has no fused Triton kernel"
     if plan.mask.dtype == torch.float64:
-        return "fp64 inputs"
+        return f"loss_type {name!r} in fp64: the Triton kernel computes in fp32"
     return None
+
+
+def warn_fallback(op: str, reason: str, path: str) -> None:
+    """The one warning of a plan expected on the fused kernel that runs on ``path`` instead."""
+    warnings.warn(f"{op}: {reason}; running {path}", FusedFallbackWarning, stacklevel=3)
 
 
 def evaluate_triton(lp: torch.Tensor, ent: torch.Tensor | None, plan: Plan, rows: slice | None = None):
@@ -208,10 +254,10 @@ def evaluate_triton(lp: torch.Tensor, ent: torch.Tensor | None, plan: Plan, rows
             float(cfg.sapo_tau_pos),
             float(cfg.sapo_tau_neg),
             float(cfg.log_ratio_clamp),
-            float(plan.kl_coef),
-            float(plan.entropy_coef),
-            LOSS=_TRITON_LOSSES[plan.loss_type],
-            KL=_TRITON_KL[plan.kl_type] if plan.ref is not None else 0,
+            float(cfg.kl_coef),
+            float(cfg.entropy_coef),
+            LOSS=KERNEL_BRANCHES.index(plan.loss_type),
+            KL=TRITON_KL[cfg.kl_type] if plan.ref is not None else 0,
             HAS_CORR=plan.corr is not None,
             HAS_ENT=ent is not None,
             HAS_DUAL=cfg.clip_ratio_c is not None,
@@ -227,8 +273,8 @@ def evaluate_triton(lp: torch.Tensor, ent: torch.Tensor | None, plan: Plan, rows
     parts = {k: s[i] for i, k in enumerate(_SUM_KEYS)}
     parts["ratio_min"], parts["ratio_max"] = rmin, rmax
     loss = parts["pg"]
-    if plan.ref is not None and plan.kl_coef:
-        loss = loss + plan.kl_coef * parts["kl_term"]
-    if ent is not None and plan.entropy_coef:
-        loss = loss - plan.entropy_coef * parts["ent_term"]
+    if plan.ref is not None and cfg.kl_coef:
+        loss = loss + cfg.kl_coef * parts["kl_term"]
+    if ent is not None and cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * parts["ent_term"]
     return loss, parts, dlp.view(B, T), (dent.view(B, T) if ent is not None else None)
