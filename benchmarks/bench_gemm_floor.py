@@ -119,7 +119,7 @@ def bf16_split(N: int, V: int, reps: int) -> dict:
     """Per variant: products run (multiply-adds / N H V) and seconds outside them (the least of ``reps``
     rounds after a warm-up one, the variants and one fp32 product interleaved), bf16 inputs multiplied in
     bf16 as on a CPU with bf16 units."""
-    fl = importlib.import_module("bitrl.kernels.fused_logprobs")  # the module, not the function
+    fl = importlib.import_module("bitrl.kernels.fused_logprobs.numerics")  # where CPU_BF16_MATMUL is read
     native, fl.CPU_BF16_MATMUL = fl.CPU_BF16_MATMUL, torch.bfloat16
     inputs = bi.make_inputs(N, V, torch.bfloat16)
     madds, rests = {}, {}

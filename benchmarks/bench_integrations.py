@@ -161,7 +161,7 @@ def child(spec: dict) -> dict:
     """Runs in a subprocess: timing (round-robin over spec['names']) or the peak memory of one variant."""
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
     if spec.get("bf16_gemms"):  # bitrl's path for a CPU with bf16 units, on any CPU (emulated GEMMs here)
-        importlib.import_module("bitrl.kernels.fused_logprobs").CPU_BF16_MATMUL = torch.bfloat16
+        importlib.import_module("bitrl.kernels.fused_logprobs.numerics").CPU_BF16_MATMUL = torch.bfloat16
     x = make_inputs(spec["N"], spec["V"], DTYPES[spec["dtype"]])
     fns = {n: variant_fn(spec["op"], n) for n in spec["names"]}
     if spec["mode"] in ("memory", "once"):

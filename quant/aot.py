@@ -83,7 +83,7 @@ def recording(out: list, case: list):
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    flp = importlib.import_module("bitrl.kernels.fused_logprobs")  # the package re-exports the function
+    flp = importlib.import_module("bitrl.kernels.fused_logprobs.chunked")  # ChunkEngine's matmul_dtype
 
     backend = make_backend(GPUTarget("cuda", 90, 32))
 
@@ -156,7 +156,8 @@ def _policy_cases():
 
 def _logprob_cases():
     from bitrl.kernels.fused_linear_policy_loss import fused_linear_policy_loss
-    from bitrl.kernels.fused_logprobs import BLOCK_V_MAX, BLOCK_V_MIN, fused_logprobs
+    from bitrl.kernels.fused_logprobs import fused_logprobs
+    from bitrl.kernels.fused_logprobs.triton_rows import BLOCK_V_MAX, BLOCK_V_MIN
 
     H = 16
     # every BLOCK_V the dispatch can pick, and one vocabulary above the largest tile

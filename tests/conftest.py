@@ -28,7 +28,7 @@ def cpu_bf16_matmul(request, monkeypatch):
     """Every CPU path of bf16 inputs on any machine: bf16 GEMMs (CPUs with bf16 units), their tiles' softmax
     passes in the host C++ kernels (where a compiler exists) or in the torch formula (``BITRL_HOST_EXT=0``),
     and fp32 GEMMs of the bf16 operands (CPUs without bf16 units). Yields the matmul dtype."""
-    fl = importlib.import_module("bitrl.kernels.fused_logprobs")  # the module, not the function
+    fl = importlib.import_module("bitrl.kernels.fused_logprobs.numerics")  # where CPU_BF16_MATMUL is read
 
     matmul, host = request.param
     monkeypatch.setattr(fl, "CPU_BF16_MATMUL", matmul)
@@ -43,7 +43,7 @@ def tile_elem_bytes(dtype: torch.dtype, entropy: bool) -> int:
     where the host kernels run its softmax passes."""
     from bitrl.kernels import host_ext
 
-    fl = importlib.import_module("bitrl.kernels.fused_logprobs")
+    fl = importlib.import_module("bitrl.kernels.fused_logprobs.numerics")
     acc = 8 if dtype == torch.float64 else 4
     bf16_gemms = fl.CPU_BF16_MATMUL == torch.bfloat16  # noqa: SIM300 (a module attribute, not a constant)
     low = 2 if dtype == torch.bfloat16 and bf16_gemms else 0

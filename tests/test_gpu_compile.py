@@ -51,7 +51,7 @@ def _launched_kernels() -> set[str]:
     """Every @triton.jit function of kernels/ and quant/ that is launched (``name[grid](...)``)."""
     names = set()
     for folder in ("kernels", "quant"):
-        for path in (ROOT / folder).glob("*.py"):
+        for path in (ROOT / folder).rglob("*.py"):
             src = path.read_text()
             for name in re.findall(r"@triton\.jit\s*\n\s*def (\w+)", src):
                 if re.search(rf"\b{name}\[", src):
@@ -129,7 +129,7 @@ def test_every_input_dtype_and_branch_is_compiled(table):
     for loss in _TRITON_LOSSES.values():
         for kl in (0, *_TRITON_KL.values()):
             assert any(f"LOSS={loss},KL={kl}," in s for s in labels), (loss, kl)
-    from bitrl.kernels.fused_logprobs import BLOCK_V_MAX, BLOCK_V_MIN
+    from bitrl.kernels.fused_logprobs.triton_rows import BLOCK_V_MAX, BLOCK_V_MIN
 
     blocks = {int(re.search(r"BLOCK_V=(\d+)", s).group(1)) for s in sigs("_logprob_rows_fwd_kernel")}
     assert blocks == {2**i for i in range(BLOCK_V_MIN.bit_length() - 1, BLOCK_V_MAX.bit_length())}

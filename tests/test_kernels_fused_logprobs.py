@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 
 import pytest
@@ -22,8 +21,7 @@ from test_kernels_helpers import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bitrl.kernels import fused_logprobs, fused_logprobs_reference
-
-fl = importlib.import_module("bitrl.kernels.fused_logprobs")  # module, not the function
+from bitrl.kernels.fused_logprobs import tiled_cpu, triton_rows  # the modules that read what the tests set
 
 
 def _inputs(N, H, V, dtype, seed=0, scale=1.0, bias=False, device="cpu"):
@@ -76,12 +74,12 @@ NAMES = ("logprobs", "entropy", "d_hidden", "d_weight", "d_bias")
 @contextlib.contextmanager
 def _tile_bytes(nbytes: int):
     """Shrink the torch backend's CPU tiles (0: leave them) so small cases span several tiles."""
-    old = fl.TILE_BYTES["logprobs"]["cpu"]
-    fl.TILE_BYTES["logprobs"]["cpu"] = nbytes or old
+    old = tiled_cpu.TILE_BYTES["logprobs"]["cpu"]
+    tiled_cpu.TILE_BYTES["logprobs"]["cpu"] = nbytes or old
     try:
         yield
     finally:
-        fl.TILE_BYTES["logprobs"]["cpu"] = old
+        tiled_cpu.TILE_BYTES["logprobs"]["cpu"] = old
 
 
 # (tile bytes, chunk_size): one tile; every token in each tile with 3 vocabulary blocks (a bf16 tile element
@@ -235,7 +233,9 @@ def test_low_precision_weights_get_no_fp32_weight_sized_buffer(dtype, cpu_bf16_m
     N, H, V = 40, 32, 1024
     h, w, y, _ = _inputs(N, H, V, dtype)
     y[3] = -100
-    monkeypatch.setitem(fl.TILE_BYTES["logprobs"], "cpu", N * 128 * tile_elem_bytes(dtype, entropy=True))
+    monkeypatch.setitem(
+        tiled_cpu.TILE_BYTES["logprobs"], "cpu", N * 128 * tile_elem_bytes(dtype, entropy=True)
+    )
     spy = LargestFp32Tensor()
     with spy:  # no kept logits either (their budget is tested on its own)
         got = _run(fused_logprobs, h, w, y, impl="torch", keep_logits_bytes=0)
@@ -433,7 +433,7 @@ def test_env_var_forces_path(monkeypatch):
 @needs_triton
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
 def test_triton_matches_torch_path(dtype, monkeypatch):
-    monkeypatch.setattr(fl, "BLOCK_V_MAX", 16)  # 45 = 2 full vocabulary tiles + a ragged one
+    monkeypatch.setattr(triton_rows, "BLOCK_V_MAX", 16)  # 45 = 2 full vocabulary tiles + a ragged one
     dev = triton_device()
     N, H, V = 9, 16, 45  # V not a multiple of the block
     h, w, y, b = _inputs(N, H, V, dtype, bias=True, device=dev)
@@ -453,7 +453,7 @@ def test_nan_input_shows_in_the_outputs_or_raises(impl, where, monkeypatch):
     """A NaN input is never clamped away: with the check it raises naming the input; without it the rows it
     reaches (one for a hidden state, all for a vocabulary row of the weight) get NaN log-prob and entropy,
     the others stay finite, and the weight gradient carries the NaN."""
-    monkeypatch.setattr(fl, "BLOCK_V_MAX", 16)  # several vocabulary tiles per row
+    monkeypatch.setattr(triton_rows, "BLOCK_V_MAX", 16)  # several vocabulary tiles per row
     dev = triton_device() if impl == "triton" else "cpu"
     h, w, y, _ = _inputs(5, 8, 45, torch.float32, device=dev)
     h, w = h.detach().clone(), w.detach().clone()
@@ -524,11 +524,11 @@ def test_triton_gradient_written_in_low_precision_buffer():
     y = torch.randint(0, V, (c,), generator=g).to(dev)
     inv_t = torch.full((c,), 1.25, device=dev)
     valid = torch.ones(c, dtype=torch.bool, device=dev)
-    lp, ent, stats = fl.row_stats_triton(z, y, inv_t, valid, True)
+    lp, ent, stats = triton_rows.row_stats_triton(z, y, inv_t, valid, True)
     g_lp, g_ent = torch.randn(c, generator=g).to(dev), torch.randn(c, generator=g).to(dev)
     out = torch.empty(c, V, dtype=torch.bfloat16, device=dev)
-    low = fl.row_grad_triton(z, y, inv_t, stats, g_lp, g_ent, out=out)
-    full = fl.row_grad_triton(z.clone(), y, inv_t, stats, g_lp, g_ent)
+    low = triton_rows.row_grad_triton(z, y, inv_t, stats, g_lp, g_ent, out=out)
+    full = triton_rows.row_grad_triton(z.clone(), y, inv_t, stats, g_lp, g_ent)
     assert low.dtype == torch.bfloat16 and low.data_ptr() == out.data_ptr()
     assert_close(low.float().cpu(), full.cpu(), atol=1e-6, rtol=1e-2)
 

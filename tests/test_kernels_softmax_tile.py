@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from bitrl.kernels import host_ext
-from bitrl.kernels.fused_logprobs import NEG_LOGIT, host_tile_grad, host_tile_stats
+from bitrl.kernels.fused_logprobs.host_tiles import host_tile_grad, host_tile_stats
+from bitrl.kernels.fused_logprobs.numerics import NEG_LOGIT
 
 
 @pytest.fixture
