@@ -247,6 +247,23 @@ class TrainConfig(Section):
     distributed: Literal["fsdp2"] = "fsdp2"
     fsdp_mixed_precision: Literal["auto", "none", "bf16"] = "auto"
 
+    # Each "auto" is resolved here, once: the trainer and the memory plan both ask.
+    def resolved_autocast(self, device_type: str, model_dtype) -> Literal["none", "bf16", "fp16"]:
+        """train.autocast for weights loaded in `model_dtype` (a torch dtype or a model.dtype name) on
+        `device_type`: "auto" is bf16 on a GPU, and on a CPU the weights' own dtype (bf16 / fp16 for half
+        weights, else none)."""
+        if self.autocast != "auto":
+            return self.autocast
+        if device_type == "cuda":
+            return "bf16"
+        return {"bfloat16": "bf16", "float16": "fp16"}.get(str(model_dtype).removeprefix("torch."), "none")
+
+    def resolved_fsdp_mixed_precision(self, device_type: str) -> Literal["none", "bf16"]:
+        """train.fsdp_mixed_precision on `device_type`: "auto" is bf16 on a GPU, none on a CPU."""
+        if self.fsdp_mixed_precision != "auto":
+            return self.fsdp_mixed_precision
+        return "bf16" if device_type == "cuda" else "none"
+
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data):

@@ -116,3 +116,24 @@ def test_cli_preset_and_config_are_exclusive(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["train", "--preset", "smollm2-add", "--config", str(tmp_path / "c.yaml")])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_auto_settings_resolve_in_one_place():
+    """train.autocast and train.fsdp_mixed_precision "auto", as the trainer and the memory plan read them."""
+    import torch
+
+    train = load_config().train
+    assert train.autocast == "auto" and train.fsdp_mixed_precision == "auto"
+    assert train.resolved_autocast("cuda", torch.float32) == "bf16"
+    assert train.resolved_autocast("cpu", torch.float32) == "none"
+    assert (
+        train.resolved_autocast("cpu", torch.bfloat16) == train.resolved_autocast("cpu", "bfloat16") == "bf16"
+    )
+    assert train.resolved_autocast("cpu", "float16") == "fp16"
+    assert load_config(None, ["train.autocast=fp16"]).train.resolved_autocast("cuda", torch.float32) == "fp16"
+    assert train.resolved_fsdp_mixed_precision("cuda") == "bf16"
+    assert train.resolved_fsdp_mixed_precision("cpu") == "none"
+    assert (
+        load_config(None, ["train.fsdp_mixed_precision=bf16"]).train.resolved_fsdp_mixed_precision("cpu")
+        == "bf16"
+    )

@@ -180,11 +180,7 @@ def plan_memory(
     lora, train, rollout = cfg.model.lora, cfg.train, cfg.rollout
     model_bytes = DTYPE_BYTES[cfg.model.dtype]
     master_bytes = 4 if train.master_weights == "fp32" else model_bytes
-    half_compute = (
-        model_bytes == 2
-        or train.autocast in ("bf16", "fp16")
-        or (train.autocast == "auto" and device_type == "cuda")
-    )
+    half_compute = model_bytes == 2 or train.resolved_autocast(device_type, cfg.model.dtype) != "none"
     compute_bytes = 2 if half_compute else 4
 
     # Weights: the trainable ones in the master dtype; a LoRA base in the model dtype or quantized.

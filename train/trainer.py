@@ -48,7 +48,6 @@ LOGGED_LOSS_METRICS = (
 
 # Metrics combined over micro-batches by max / min instead of a token-weighted mean.
 _MAX_METRICS, _MIN_METRICS = ("ratio_max", "is_weight_max"), ("is_weight_min",)
-_HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def rollout_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
@@ -92,25 +91,26 @@ def correction_weights(old, rollout_logprobs, mask, cfg: LossConfig):
 class PolicyTrainer:
     """Owns the policy's optimizer and applies one RL update per rollout batch.
 
-    cfg: a bitrl.engine.config.TrainConfig (any object with the same fields works; the real-size fields
-    master_weights, gradient_checkpointing and micro_batch_tokens default to fp32 / off / 0).
+    cfg: the run's train section, a bitrl.engine.config.TrainConfig (tests build one from the schema too);
+    its "auto" settings are resolved by the config itself (resolved_autocast, resolved_fsdp_mixed_precision).
     """
 
     def __init__(self, policy: torch.nn.Module, cfg, temperature: float = 1.0):
         self.policy, self.cfg, self.temperature = policy, cfg, temperature
         self.loss = cfg.loss.loss_config()  # train.loss: LossConfig's fields by their names
-        self.micro_batch_tokens = getattr(cfg, "micro_batch_tokens", 0)
+        self.micro_batch_tokens = cfg.micro_batch_tokens
         self.trainable = [p for p in policy.parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the policy has no trainable parameters")
         # The dtype the weights were loaded in; with fp32 master weights only the trainable ones are upcast
         # (a frozen LoRA base keeps its storage dtype) and the forward runs under autocast in this dtype.
         self.model_dtype = next(policy.parameters()).dtype
-        if getattr(cfg, "master_weights", "fp32") == "fp32":
+        device_type = self.trainable[0].device.type
+        if cfg.master_weights == "fp32":
             for p in self.trainable:
                 p.data = p.data.float()
         if is_distributed():  # data-parallel: parameters, gradients, optimizer states sharded (FSDP2)
-            shard_policy(policy, getattr(cfg, "fsdp_mixed_precision", "auto"))
+            shard_policy(policy, cfg.resolved_fsdp_mixed_precision(device_type))
             self.trainable = [p for p in policy.parameters() if p.requires_grad]
         # The fused AdamW is one vectorised pass per tensor: 8x faster than the per-tensor loop on a CPU,
         # where the optimizer step dominates a full fine-tuning update of a 135M model.
@@ -118,7 +118,7 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, fused=fused
         )
-        if getattr(cfg, "gradient_checkpointing", False):
+        if cfg.gradient_checkpointing:
             # non-reentrant: gradients reach LoRA adapters even though the layer inputs need no gradient
             kwargs = {"use_reentrant": False}
             if hasattr(policy, "activation_checkpointing_enable"):  # the newer transformers name
@@ -127,10 +127,8 @@ class PolicyTrainer:
                 policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         # Mixed precision: the forward runs under autocast; fp16 also scales the loss so that small gradients
         # do not flush to zero.
-        self.device_type = self.trainable[0].device.type
-        self.autocast = getattr(cfg, "autocast", "none")
-        if self.autocast == "auto":  # bf16 on a GPU; on a CPU the dtype the weights were loaded in
-            self.autocast = "bf16" if self.device_type == "cuda" else _HALF.get(self.model_dtype, "none")
+        self.device_type = device_type
+        self.autocast = cfg.resolved_autocast(device_type, self.model_dtype)  # "none", "bf16" or "fp16"
         if self.autocast == "fp16" and is_distributed():
             raise ValueError("train.autocast=fp16 runs on one rank only (no sharded loss scaling); use bf16")
         # A disabled GradScaler passes everything through, so fp32/bf16 take the same code path.
