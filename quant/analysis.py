@@ -217,6 +217,16 @@ def quantize_macroblock(
     return xhat, {"j": best_j, "overhead_bits_per_element": 8.0 / macro_block}
 
 
+def outlier_mask(x2: torch.Tensor, block: tuple[int, int], tau: float) -> torch.Tensor:
+    """bool [rows, cols]: the entries of x2 [rows, cols] with ``|x| > tau * median(|x|)`` of their block."""
+    rows, cols = x2.shape
+    xb, _, kp = blockify(x2, block)
+    nbr, bh, nbc, bw = xb.shape
+    flat = xb.permute(0, 2, 1, 3).reshape(nbr, nbc, bh * bw).abs()
+    med = flat.median(dim=-1).values[:, None, :, None]
+    return (xb.abs() > tau * med).reshape(-1, kp)[:rows, :cols]
+
+
 def quantize_outlier_fallback(
     x: torch.Tensor,
     fmt: str = "mxfp4",
@@ -234,14 +244,7 @@ def quantize_outlier_fallback(
     spec = resolve_spec(fmt, **quant_kwargs)
     x32 = x.detach().to(torch.float32)
     x2 = x32.reshape(1, -1) if x32.dim() == 1 else x32.reshape(-1, x32.shape[-1])
-    rows, cols = x2.shape
-    block = spec.block(rows, cols)
-    xb, _, kp = blockify(x2, block)
-    nbr, bh, nbc, bw = xb.shape
-    flat = xb.permute(0, 2, 1, 3).reshape(nbr, nbc, bh * bw).abs()
-    med = flat.median(dim=-1).values[:, None, :, None]
-    mask_b = xb.abs() > tau * med
-    mask = mask_b.reshape(-1, kp)[:rows, :cols]
+    mask = outlier_mask(x2, spec.block(*x2.shape), tau)
     if clip_tol is not None:
         plain = quantize(x2, spec.fmt, **quant_kwargs).dequantize()
         clipped = (x2.abs() - plain.abs()) > clip_tol * x2.abs()

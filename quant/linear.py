@@ -61,6 +61,11 @@ class QuantLinear(nn.Module):
     Activation quantization (``act``): None (weight-only), "fp8" (per-token dynamic E4M3: W8A8), or a block
     format name ("mxfp4", "nvfp4", "mxfp8") for fake quantization of the activations (W4A4 numerics,
     simulated). ``act="auto"`` means "fp8" for FP8 weights and None otherwise.
+
+    Outlier fallback (``outlier_tau``): the weights above ``outlier_tau`` times the median magnitude of their
+    block are kept in bf16 beside the packed weight (a flat int32 index and a bf16 value each: 48 bits) and
+    left out of the block's scale, so one large weight no longer crushes the rest of its block to zero. The
+    dequantized weight holds them in place; the fused paths add them as one gather and index_add.
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class QuantLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device=None,
         cache_dequantized: bool = True,
+        outlier_tau: float | None = None,
     ):
         super().__init__()
         f = get_format(fmt)
@@ -85,6 +91,9 @@ class QuantLinear(nn.Module):
         if act is not None and act not in (*_FP8_ACT, "mxfp4", "nvfp4", "mxfp8"):
             raise ValueError(f"act must be None, 'auto', 'fp8', 'mxfp4', 'nvfp4' or 'mxfp8', got {act!r}")
         self.act = act
+        if outlier_tau is not None and not outlier_tau > 0:
+            raise ValueError(f"outlier_tau must be > 0 (or None: off), got {outlier_tau!r}")
+        self.outlier_tau = outlier_tau
         qk = dict(quant_kwargs or {})
         if f.scale_kind == "fp32" and "granularity" not in qk and "block_size" not in qk:
             qk["granularity"] = "row"  # per output channel: what torch._scaled_mm's row-wise mode takes
@@ -101,6 +110,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("qdata", torch.empty(0, dtype=torch.uint8, device=device))
         self.register_buffer("qscale", torch.empty(0, dtype=torch.float32, device=device))
         self.register_buffer("qtensor_scale", None)
+        self.register_buffer("outlier_index", None)  # int32 [n] flat indices into the (out, in) weight
+        self.register_buffer("outlier_value", None)  # bf16 [n]
         if bias:
             self.bias = nn.Parameter(
                 torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False
@@ -111,7 +122,13 @@ class QuantLinear(nn.Module):
     # ------------------------------------------------------------------ construction / refresh
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, fmt: str, *, act: str | None = "auto", **quant_kwargs
+        cls,
+        linear: nn.Linear,
+        fmt: str,
+        *,
+        act: str | None = "auto",
+        outlier_tau: float | None = None,
+        **quant_kwargs,
     ) -> QuantLinear:
         w = linear.weight
         conv1d = _is_conv1d(linear)  # transformers' Conv1D (GPT-2 family): weight is (in, out)
@@ -125,6 +142,7 @@ class QuantLinear(nn.Module):
             quant_kwargs=quant_kwargs,
             dtype=w.dtype,
             device=w.device,
+            outlier_tau=outlier_tau,
         )
         q.source_transposed = conv1d
         q.set_weight(w.detach())
@@ -143,6 +161,16 @@ class QuantLinear(nn.Module):
             raise ValueError(
                 f"weight must have shape {(self.out_features, self.in_features)}, got {tuple(weight.shape)}"
             )
+        if self.outlier_tau is not None:
+            from .analysis import outlier_mask
+            from .quantize import resolve_spec
+
+            spec = resolve_spec(self.fmt, **self.quant_kwargs)
+            mask = outlier_mask(weight.float(), spec.block(*weight.shape), self.outlier_tau)
+            index = mask.reshape(-1).nonzero().squeeze(1)  # a host sync, once per weight sync
+            self.outlier_index = index.to(torch.int32)
+            self.outlier_value = weight.reshape(-1)[index].to(torch.bfloat16)
+            weight = weight.masked_fill(mask, 0.0)
         qt = quantize(weight, self.fmt, **self.quant_kwargs)
         for name, t in (("qdata", qt.data), ("qscale", qt.scale), ("qtensor_scale", qt.tensor_scale)):
             cur = getattr(self, name)
@@ -182,6 +210,7 @@ class QuantLinear(nn.Module):
         dequantize-and-cache path, the cached full-precision copy (which makes it larger than the dense
         layer it replaced)."""
         held = [self.qdata, self.qscale, self.qtensor_scale, self._deq]
+        held += [self.outlier_index, self.outlier_value]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -192,6 +221,8 @@ class QuantLinear(nn.Module):
         if self._deq is not None and self._deq_key == key:
             return self._deq
         w = self.qweight.dequantize(dtype)
+        if self.outlier_index is not None:
+            w.view(-1).index_copy_(0, self.outlier_index.long(), self.outlier_value.to(dtype))
         if not self.cache_dequantized:
             return w
         old = self._deq
@@ -241,12 +272,15 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         path = self.execution_path(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if path == "dequant_matmul":
+            return F.linear(self._quantize_act(x), self.dequantized_weight(x.dtype), bias)
         if path == "scaled_mm":
             from bitrl.kernels.qmatmul import fp8_scaled_mm
 
-            return fp8_scaled_mm(x, self.qdata, self.qscale, bias=bias, out_dtype=x.dtype)
+            out = fp8_scaled_mm(x, self.qdata, self.qscale, bias=bias, out_dtype=x.dtype)
+            return self._add_outliers(x, out)
         if path == "fp4_native":
-            out = self._fp4_native(x)
+            out = self._add_outliers(x, self._fp4_native(x))
             return out if bias is None else out + bias
         x = self._quantize_act(x)
         if path == "w4a16_triton":
@@ -264,8 +298,19 @@ class QuantLinear(nn.Module):
                 tensor_scale=qt.tensor_scale,
                 out_dtype=x.dtype,
             )
+            out = self._add_outliers(x, out)
             return out if bias is None else out + bias
-        return F.linear(x, self.dequantized_weight(x.dtype), bias)
+        raise ValueError(f"unknown execution path {path!r}")
+
+    def _add_outliers(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out + x @ W_outliers^T, W_outliers the kept bf16 weights (zero elsewhere)."""
+        if self.outlier_index is None:
+            return out
+        index = self.outlier_index.long()
+        rows, cols = index // self.in_features, index % self.in_features
+        x2 = x.reshape(-1, self.in_features)
+        out2 = out.reshape(-1, self.out_features)
+        return out2.index_add(1, rows, x2[:, cols] * self.outlier_value.to(x.dtype)).view(out.shape)
 
     def _fp4_native(self, x: torch.Tensor) -> torch.Tensor:
         """W4A4 / W4A8 on block-scaled tensor cores: the activations are quantized for real, per token."""
@@ -292,6 +337,7 @@ class QuantLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
             f"act={self.act}, bias={self.bias is not None}"
+            + (f", outlier_tau={self.outlier_tau}" if self.outlier_tau is not None else "")
         )
 
 

@@ -14,6 +14,13 @@ from .tensor import QuantizedTensor
 __all__ = ["QuantSpec", "fake_quantize", "quantize", "resolve_spec"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+SCALE_MODES = ("floor", "rceil", "mse")
+# scale_mode="mse": each block takes, of these candidate scales, the one with the least squared error.
+# MX (E8M0, powers of two): the floor exponent and the one above (rceil's is always one of them). NVFP4
+# (E4M3 block scales, steps of 1/8 to 1/16): the amax scale shrunk by up to a quarter, which clips the
+# block's largest element to buy finer steps for the rest (the largest weights are few, the rest many), or
+# grown by up to 1/16, where rounding amax / 6 to E4M3 rounded it down.
+MSE_FACTORS = (1.0, 1.0625, 1.03125, 0.96875, 0.9375, 0.90625, 0.875, 0.84375, 0.8125, 0.78125, 0.75)
 
 
 @dataclass(frozen=True)
@@ -43,8 +50,8 @@ def resolve_spec(
     f = get_format(fmt)
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    if scale_mode not in ("floor", "rceil"):
-        raise ValueError(f"scale_mode must be 'floor' or 'rceil', got {scale_mode!r}")
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
     if block_size is not None:
         ok_int = isinstance(block_size, int) and not isinstance(block_size, bool) and block_size > 0
         ok_tuple = (
@@ -55,6 +62,8 @@ def resolve_spec(
         if not (ok_int or ok_tuple):
             raise ValueError(f"block_size must be a positive int or a (rows, cols) pair, got {block_size!r}")
     if f.scale_kind == "fp32":  # FP8 with an FP32 amax scale
+        if scale_mode == "mse":
+            raise ValueError(f"scale_mode='mse' applies to the block-scaled formats, not {f.name}")
         if granularity is None:
             granularity = "block" if block_size is not None else "tensor"
         if granularity not in ("tensor", "row", "block"):
@@ -74,10 +83,10 @@ def resolve_spec(
     if f.packed and bs % 2:
         raise ValueError(f"block_size must be even for the 4-bit format {f.name}, got {bs}")
     mode = scale_mode if f.is_mx else "amax"
-    if not f.is_mx and scale_mode != "floor":
-        raise ValueError(
-            f"scale_mode applies to MX formats only; {f.name} takes the default, got {scale_mode!r}"
-        )
+    if scale_mode == "mse":  # any block-scaled format: the scale chosen by error (see MSE_FACTORS)
+        mode = "mse"
+    elif not f.is_mx and scale_mode != "floor":
+        raise ValueError(f"scale_mode: {f.name} takes 'floor' (its amax scale) or 'mse', got {scale_mode!r}")
     return QuantSpec(f, "block", bs, mode, rounding)
 
 
@@ -134,9 +143,9 @@ def quantize(
         fmt: "fp8_e4m3", "fp8_e5m2", "mxfp8", "mxfp4" or "nvfp4" (or a :class:`ScaledFormat`).
         block_size: MX/NV block length (default 32 / 16). FP8: an int ``b`` means 1 x b blocks (activations),
             a pair ``(bh, bw)`` 2-D blocks (weights, e.g. (128, 128)); implies granularity "block".
-        scale_mode: MX only: "floor" (OCP: ``2**(floor(log2 amax) - emax_elem)``, elements saturate) or
-        "rceil"
-            (``2**ceil(log2(amax / max_elem))``).
+        scale_mode: MX: "floor" (OCP: ``2**(floor(log2 amax) - emax_elem)``, elements saturate) or "rceil"
+            (``2**ceil(log2(amax / max_elem))``). MX and NVFP4: "mse", each block's scale chosen among a few
+            candidates (``MSE_FACTORS``) by least squared error (torch path: for weights, once per sync).
         granularity: FP8 only: "tensor" (default), "row" or "block". Scale = amax / max_elem, 1 where amax
         is 0.
         rounding: "nearest" (round half to even, saturating) or "stochastic" (unbiased, uniforms from
@@ -163,6 +172,10 @@ def quantize(
     kp = -(-cols // bw) * bw
     noise = _uniforms((rows, kp), seed, x.device) if rounding == "stochastic" else None
     use_triton = backend == "triton" or (backend == "auto" and x.is_cuda and spec.fmt.scale_kind != "fp32")
+    if spec.scale_mode == "mse":
+        if backend == "triton":
+            raise ValueError("scale_mode='mse' runs on the torch path; use backend='auto' or 'torch'")
+        use_triton = False
     if use_triton:
         if bh != 1:
             raise ValueError(f"block_size: the Triton path supports 1-D blocks only, got {(bh, bw)}")
@@ -217,7 +230,14 @@ def quantize_reference(
     else:
         amax = xb.abs().amax(dim=(1, 3))
     ts = None
-    if f.scale_kind == "e8m0":
+    if spec.scale_mode == "mse":
+        if bh != 1:
+            raise ValueError("scale_mode='mse' takes 1-D blocks")
+        if f.scale_kind == "e4m3":
+            ts = ref.nvfp4_tensor_scale(gmax if gmax is not None else amax.amax())
+        scaled, scale = _mse_scaled(xb.view(nbr, nbc, bw), amax, elem, f.scale_kind, ts)
+        scaled = scaled.view(nbr, 1, nbc, bw)
+    elif f.scale_kind == "e8m0":
         e = ref.e8m0_exponent(amax, elem, spec.scale_mode)
         scaled = xb * ref.exp2i(-e)[:, None, :, None]
         scale = ref.e8m0_to_storage(e)
@@ -247,6 +267,38 @@ def quantize_reference(
         else:
             data = torch.where(neg, -mag, mag).to(elem.torch_dtype)
     return data, scale, ts
+
+
+def _mse_scaled(xb, amax, elem, scale_kind, ts):
+    """(x / scale, stored scale) with each block's scale the candidate of least squared error.
+
+    xb [nbr, nbc, bw] float32 blocks, amax [nbr, nbc]. Ties keep the earlier candidate (the amax scale)."""
+    if scale_kind == "e8m0":
+        e0 = ref.e8m0_exponent(amax, elem, "floor")
+        candidates = [(ref.exp2i(e0 + k), e0 + k) for k in (0, 1)]
+    else:
+        candidates = []
+        for factor in MSE_FACTORS:
+            bs = ref.nvfp4_block_scale(amax * factor, ts)
+            candidates.append((bs * ts, bs))
+    best_err = best_scaled = best_stored = None
+    for value, stored in candidates:
+        zero = value <= 0
+        scaled = xb / torch.where(zero, torch.ones_like(value), value)[..., None]
+        scaled.masked_fill_(zero[..., None].expand_as(scaled), 0.0)
+        q = ref.round_to_element(scaled.abs(), elem) * value[..., None]
+        err = (q - xb.abs()).square_().sum(-1)
+        if best_err is None:
+            best_err, best_scaled, best_stored = err, scaled, stored
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scaled = torch.where(better[..., None], scaled, best_scaled)
+        best_stored = torch.where(better, stored, best_stored)
+    if scale_kind == "e8m0":
+        e = best_stored.clamp(-127, 127 - elem.emax)
+        return best_scaled, ref.e8m0_to_storage(e)
+    return best_scaled, best_stored.to(torch.float8_e4m3fn)
 
 
 def quantize_triton(
