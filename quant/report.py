@@ -420,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4, help="--demo: number of layers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument(
+        "--sensitivity",
+        action="store_true",
+        help="rank the linears by the mismatch each adds quantized alone (rollout.fp8_layers: the first N)",
+    )
     args = p.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -430,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args.model)
     else:
         model = build_demo_model(args.hidden, args.layers, seed=args.seed)
+    if args.sensitivity:
+        return print_sensitivity(model, args)
     run_report(
         model,
         args.format,
@@ -441,6 +448,31 @@ def main(argv: list[str] | None = None) -> int:
         scale_mode=args.scale_mode,
         max_layers=args.max_layers,
     )
+    return 0
+
+
+def print_sensitivity(model: nn.Module, args) -> int:
+    from .sensitivity import calibration_ids, layer_sensitivity
+
+    tokenizer = None
+    if args.model:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    ids = calibration_ids(tokenizer, model.config.vocab_size, args.seed)
+    kw = {"scale_mode": args.scale_mode} if FORMATS[args.format].is_mx else {}
+    t0 = time.perf_counter()
+    ranking = layer_sensitivity(model, args.format, ids, **kw)
+    print(f"bitrl quant-report --sensitivity: {args.format}, {len(ranking)} layers, each quantized alone")
+    print(f"{'rank':>4}  {'KL/token':>9}  layer")
+    for i, (name, kl) in enumerate(ranking):
+        print(f"{i + 1:>4}  {kl:9.2e}  {name}")
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"sensitivity_{args.format}.json")
+    with open(path, "w") as f:
+        json.dump({"format": args.format, "ranking": ranking}, f, indent=1)
+    print(f"wrote {path}")
     return 0
 
 
