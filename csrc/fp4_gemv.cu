@@ -29,10 +29,12 @@ __device__ __forceinline__ float e2m1_value(uint32_t code) {
 }
 
 __device__ __forceinline__ float e8m0_value(uint32_t b) {
+  if (b == 0xFFu) return __uint_as_float(0x7FC00000u);  // the E8M0 NaN: a NaN scale shows in the output
   return b == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23);  // 2^(b - 127)
 }
 
 __device__ __forceinline__ float e4m3_value(uint32_t b) {
+  if ((b & 0x7Fu) == 0x7Fu) return __uint_as_float(0x7FC00000u);  // E4M3 (fn) NaN, not 480
   uint32_t e = (b >> 3) & 15u, m = b & 7u;
   float v = e == 0 ? (float)m * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
   return (b & 0x80u) ? -v : v;

@@ -352,3 +352,32 @@ def test_cuda_fp4_gemv_matches_twin(fmt, m, n, k):  # pragma: no cover - GPU onl
     got = fp4_gemv(x, qt.data, qt.scale, fmt, k=k, tensor_scale=qt.tensor_scale)
     want = fp4_gemv(x, qt.data, qt.scale, fmt, k=k, tensor_scale=qt.tensor_scale, impl="torch")
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
+def nan_scaled(fmt: str, device: str):
+    """A quantized [4, 64] weight whose row 2 has one NaN block scale (E4M3 0x7F, E8M0 0xFF)."""
+    from bitrl.quant import quantize
+
+    qt = quantize(torch.randn(4, 64, device=device), fmt)
+    raw = qt.scale.view(torch.uint8)
+    raw[2, 1] = 0x7F if fmt == "nvfp4" else 0xFF
+    return qt
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_a_nan_block_scale_gives_nan_outputs_on_the_torch_twin(fmt):
+    qt = nan_scaled(fmt, "cpu")
+    got = fp4_gemv(
+        torch.randn(3, 64), qt.data, qt.scale, fmt, k=64, tensor_scale=qt.tensor_scale, impl="torch"
+    )
+    assert got[:, 2].isnan().all() and got[:, [0, 1, 3]].isfinite().all()
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_cuda_fp4_gemv_gives_nan_for_a_nan_block_scale(fmt):  # pragma: no cover - GPU only
+    qt = nan_scaled(fmt, "cuda")
+    x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)
+    got = fp4_gemv(x, qt.data, qt.scale, fmt, k=64, tensor_scale=qt.tensor_scale)
+    assert got[:, 2].isnan().all() and got[:, [0, 1, 3]].isfinite().all()
