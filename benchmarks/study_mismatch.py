@@ -25,7 +25,7 @@ from pathlib import Path
 from bitrl.kernels.bench_stats import mean_ci95
 
 # Corrections compared, by their registered names: each carries the usual defaults from the papers
-# (kernels/core_algos.py LossConfig: TIS cap 2, sequence MIS bounds 0.5-2, IcePop 0.5-5, AIS).
+# (kernels/policy_loss/registry.py LossConfig: TIS cap 2, sequence MIS bounds 0.5-2, IcePop 0.5-5, AIS).
 CORRECTIONS = ["none", "tis", "seq-mis", "icepop", "ais"]
 
 

@@ -26,8 +26,8 @@ from bitrl.kernels import (
     fused_linear_policy_loss,
     fused_linear_policy_loss_reference,
 )
+from bitrl.kernels.fused_logprobs import numerics, tiled_cpu  # the modules that read what the tests set
 
-fl = importlib.import_module("bitrl.kernels.fused_logprobs")  # module, not the function
 D = torch.float64
 
 
@@ -74,7 +74,8 @@ KW = dict(temperature=0.8)
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
 def test_as_accurate_as_unfused(dtype, tile_cols, cpu_bf16_matmul, monkeypatch):
     if tile_cols:  # bf16 and fp16 run over tiles: 1 token x 20 columns
-        monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", tile_cols * tile_elem_bytes(dtype, entropy=True))
+        tile_bytes = tile_cols * tile_elem_bytes(dtype, entropy=True)
+        monkeypatch.setitem(tiled_cpu.TILE_BYTES["loss"], "cpu", tile_bytes)
     h, w, y, old, adv, mask, ref, roll = _case(dtype=dtype)
     args64 = [x.double() if x.is_floating_point() else x for x in (h, w, y, old, adv, mask)]
     r64 = _run(
@@ -138,9 +139,9 @@ def test_chunking_is_exact_for_every_loss(loss_type, monkeypatch):
     # torch backend tiles (fp64 + entropy: 16 bytes per element): one; every token x blocks of 12 columns;
     # 2 tokens x every column; 1 token x 20 columns
     for tile_bytes, min_vocab in ((0, 256), (16 * 112, 8), (16 * 112, 256), (16 * 20, 256)):
-        monkeypatch.setattr(fl, "TILE_MIN_VOCAB", min_vocab)
+        monkeypatch.setattr(tiled_cpu, "TILE_MIN_VOCAB", min_vocab)
         if tile_bytes:
-            monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", tile_bytes)
+            monkeypatch.setitem(tiled_cpu.TILE_BYTES["loss"], "cpu", tile_bytes)
         for chunk in (1, 3, 100, None):
             out = _run(
                 fused_linear_policy_loss, h, w, y, old, adv, mask, cfg, impl="torch", chunk_size=chunk, **kw
@@ -164,7 +165,7 @@ def test_token_chunks_cross_sequences_exactly(loss_type, monkeypatch):
     want = _run(fused_linear_policy_loss_reference, h, w, y, old, adv, mask, cfg, **kw)
     token_level = POLICY_LOSSES[loss_type].token_level
     monkeypatch.setattr(flpl, "ONE_PASS_MIN_TOKENS", 1)
-    monkeypatch.setattr(fl, "LOGITS_BLOCK", 16)  # each chunk's logits in blocks of 16, 16 and 9 columns
+    monkeypatch.setattr(numerics, "LOGITS_BLOCK", 16)  # each chunk's logits in blocks of 16, 16 and 9 columns
     for tokens in (1, 4, 7):
         monkeypatch.setattr(flpl, "ONE_PASS_CHUNK_BYTES", tokens * V * 8)
         tiled, (rows, per_chunk) = flpl._torch_path("torch", h.reshape(B * T, -1), B, T, V, None, token_level)
@@ -186,12 +187,12 @@ def test_sequences_longer_than_a_tile_take_tiles(dtype, loss_type, monkeypatch):
     B, T, V = 3, 24, 41
     h, w, y, old, adv, mask, ref, roll = _case(B=B, T=T, V=V, dtype=dtype, seed=5)
     mask[1, 5:9] = 0  # a hole inside a sequence: the active rows are not one run
-    monkeypatch.setattr(fl, "TILE_MIN_VOCAB", 16)
+    monkeypatch.setattr(tiled_cpu, "TILE_MIN_VOCAB", 16)
     monkeypatch.setattr(flpl, "ONE_PASS_SEQUENCE_BYTES", 1024)
     monkeypatch.setattr(flpl, "ONE_PASS_CHUNK_BYTES", 1024)
     # the logits of one sequence (24 x 41 fp32), and of ONE_PASS_MIN_TOKENS tokens, exceed the budgets;
     # tiles of 7 tokens x 16 columns
-    monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", 7 * 16 * torch.finfo(dtype).bits // 8)
+    monkeypatch.setitem(tiled_cpu.TILE_BYTES["loss"], "cpu", 7 * 16 * torch.finfo(dtype).bits // 8)
     token_level = loss_type == "grpo"
     assert flpl._torch_path("torch", h.reshape(B * T, -1), B, T, V, None, token_level) == (True, (B, None))
     cfg = LossConfig(**LOSS | dict(loss_type=loss_type, loss_agg_mode="token-mean"))
@@ -214,7 +215,8 @@ def test_low_precision_weights_get_no_fp32_weight_sized_buffer(dtype, cpu_bf16_m
     B, T, H, V = 2, 16, 32, 1024
     h, w, y, old, adv, mask, _, _ = _case(B=B, T=T, H=H, V=V, dtype=dtype, seed=7)
     mask[1, 10:] = 0
-    monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", B * T * 128 * tile_elem_bytes(dtype, entropy=False))
+    tile_bytes = B * T * 128 * tile_elem_bytes(dtype, entropy=False)
+    monkeypatch.setitem(tiled_cpu.TILE_BYTES["loss"], "cpu", tile_bytes)
     spy = LargestFp32Tensor()
     with spy:
         got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch")
@@ -239,10 +241,10 @@ def test_fp32_working_set_is_one_chunk_beside_the_gradients(path, monkeypatch):
     chunk_bytes = 16 * V * 4
     # tiles: a chunk of the fewest tokens would exceed the loss op's tile budget
     monkeypatch.setattr(flpl, "ONE_PASS_MIN_TOKENS", 1 if path == "one-pass" else B * T)
-    monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", chunk_bytes)
+    monkeypatch.setitem(tiled_cpu.TILE_BYTES["loss"], "cpu", chunk_bytes)
     monkeypatch.setattr(flpl, "ONE_PASS_CHUNK_BYTES", chunk_bytes)
-    monkeypatch.setattr(fl, "TOKEN_TILE_ROWS", 16)
-    monkeypatch.setattr(fl, "LOGITS_BLOCK", 64)
+    monkeypatch.setattr(tiled_cpu, "TOKEN_TILE_ROWS", 16)
+    monkeypatch.setattr(numerics, "LOGITS_BLOCK", 64)
     spy = LargeFp32Storages(limit=chunk_bytes)
     with spy:
         got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch")
@@ -512,9 +514,9 @@ def test_tiles_narrower_and_wider_than_hidden_against_formula(
     mask[0, T // 2 :] = 0
     mask[-1] = 0  # an empty sequence
     # every token in one tile (TILE_MIN_VOCAB 1), about 8 or 64 columns per tile
-    monkeypatch.setattr(fl, "TILE_MIN_VOCAB", 1)
+    monkeypatch.setattr(tiled_cpu, "TILE_MIN_VOCAB", 1)
     elem = tile_elem_bytes(dtype, entropy=bool(entropy_coef)) if dtype != torch.float32 else 8
-    monkeypatch.setitem(fl.TILE_BYTES["loss"], "cpu", elem * B * T * (8 if cols == "narrow" else 64))
+    monkeypatch.setitem(tiled_cpu.TILE_BYTES["loss"], "cpu", elem * B * T * (8 if cols == "narrow" else 64))
     cfg = LossConfig(entropy_coef=entropy_coef, loss_type="grpo", loss_agg_mode="token-mean")
     kw = dict(temperature=0.7, bias=bias)
 

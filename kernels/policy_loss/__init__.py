@@ -22,16 +22,14 @@ Implementations (``impl=``, or ``BITRL_KERNEL_IMPL``):
   run on the torch path, with one ``FusedFallbackWarning`` naming the loss.
 """
 
-from . import corrections  # noqa: F401  (registers the rollout corrections)
 from .api import policy_loss, policy_loss_reference
-from .corrections import ais_coefficients, ais_moments
+from .corrections import ais_coefficients, ais_moments  # (importing it registers the rollout corrections)
 from .fused_linear import fused_linear_policy_loss, fused_linear_policy_loss_reference
 from .plan import Plan, build_plan, evaluate_rows, finalize_metrics
 from .registry import (
     AGGREGATIONS,
     CORRECTIONS,
     KL_ESTIMATORS,
-    PER_BATCH,
     POLICY_LOSSES,
     CorrectionResult,
     LossConfig,
@@ -53,7 +51,6 @@ __all__ = [
     "AGGREGATIONS",
     "CORRECTIONS",
     "KL_ESTIMATORS",
-    "PER_BATCH",
     "POLICY_LOSSES",
     "CorrectionResult",
     "FusedFallbackWarning",

@@ -1,8 +1,12 @@
-"""The registries of the policy-loss family, in one place.
+"""The policy-loss family's vocabulary and registries, in one place.
+
+``LossConfig`` holds every option of the loss under one name each (loss_type, loss_agg_mode, eps_low, ...),
+with its validation; every entry point takes one.
 
 Four registries, each filled by decorators; adding a variant is one function plus one decorator:
 
-* ``POLICY_LOSSES``   ``@register_policy_loss("name")``: the per-token policy-gradient term.
+* ``POLICY_LOSSES``   ``@register_policy_loss("name", token_level=..., fused=...)``: the per-token
+  policy-gradient term; ``fused=True`` declares that the Triton kernel implements it.
 * ``AGGREGATIONS``    ``@register_aggregation("name")``: per-token weights w with loss = sum(w * l).
 * ``KL_ESTIMATORS``   ``@register_kl("name")``: per-token KL(pi || pi_ref) estimate.
 * ``CORRECTIONS``     ``@register_correction("name")``: rollout/trainer mismatch weights and masks.
