@@ -90,15 +90,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_generate(model, prompts, lengths: tuple[int, int], device, reps: int) -> tuple[float, float]:
-    """Median wall seconds of `generate` (EOS disabled) at each of two lengths, interleaved rep by rep so both
-    see the same conditions, after one warm-up each (compilation, allocator, autotuning)."""
-    from bitrl.rollout.engine import generate
+def time_generate(
+    model, prompts, lengths: tuple[int, int], device, reps: int, options
+) -> tuple[float, float]:
+    """Median wall seconds of `RolloutEngine.generate` (EOS disabled, engine `options`) at each of two
+    lengths, interleaved rep by rep so both see the same conditions, after one warm-up each (compilation,
+    allocator, autotuning)."""
+    from bitrl.rollout.generation import RolloutEngine
+    from bitrl.rollout.settings import Sampling
+
+    engines = {
+        n: RolloutEngine(model, Sampling(max_new_tokens=n, eos_id=-1, pad_id=0), options) for n in lengths
+    }
 
     def once(new_tokens):
         g = torch.Generator().manual_seed(0)
         start = time.perf_counter()
-        generate(model, prompts, max_new_tokens=new_tokens, eos_id=-1, pad_id=0, generator=g)
+        engines[new_tokens].generate(prompts, generator=g)
         _sync(device)
         return time.perf_counter() - start
 
@@ -122,8 +130,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from bitrl.rollout.engine import set_engine_options
     from bitrl.rollout.precision import make_rollout_model
+    from bitrl.rollout.settings import EngineOptions
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -138,8 +146,8 @@ def main(argv=None) -> int:
     rows = []
     for precision in args.precisions:
         model = policy if precision == "full" else make_rollout_model(policy, precision)
-        set_engine_options(model, max_batch_rows=args.rows)
-        first, total = time_generate(model, prompts, (1, 1 + args.new_tokens), device, args.reps)
+        options = EngineOptions(max_batch_rows=args.rows)
+        first, total = time_generate(model, prompts, (1, 1 + args.new_tokens), device, args.reps, options)
         if total <= first:
             raise SystemExit(f"{precision}: timing noise exceeds the decode time; raise --new-tokens")
         step_s = (total - first) / args.new_tokens

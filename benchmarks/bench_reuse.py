@@ -84,12 +84,13 @@ class RolloutClock:
         self.rows: list[int] = []
 
     def wrap(self, fn):
-        import torch
+        """`fn` (RolloutEngine.generate or SpeculativeReuse.generate), timed and counted."""
+        from bitrl.rollout.generation import RolloutEngine
 
         def timed(*a, **k):
-            model = next(x for x in a if isinstance(x, torch.nn.Module))
+            engine = next(x for x in a if isinstance(x, RolloutEngine))
             w, c = time.perf_counter(), time.thread_time()
-            with counting_forwards(model) as count:
+            with counting_forwards(engine.model) as count:
                 out = fn(*a, **k)
             self.calls.append((time.perf_counter() - w, time.thread_time() - c))
             self.forwards.append(count["forwards"])
@@ -112,8 +113,12 @@ def run_arm(name, arm, seed, args, out: Path) -> dict:
     from bitrl.rollout.reuse import SpeculativeReuse
 
     clock = RolloutClock()
-    plain, reuse_generate = loop.generate, SpeculativeReuse.generate
-    loop.generate = clock.wrap(plain)
+    plain, reuse_generate = loop.RolloutEngine, SpeculativeReuse.generate
+
+    class TimedEngine(plain):  # the loop's rollouts (its evaluation builds an engine of its own)
+        generate = clock.wrap(plain.generate)
+
+    loop.RolloutEngine = TimedEngine
     SpeculativeReuse.generate = clock.wrap(reuse_generate)
 
     steps_per_epoch = args.prompts // args.prompts_per_step
@@ -135,7 +140,7 @@ def run_arm(name, arm, seed, args, out: Path) -> dict:
     try:
         records = loop.run(cfg, log=lambda *a: None)
     finally:
-        loop.generate, SpeculativeReuse.generate = plain, reuse_generate
+        loop.RolloutEngine, SpeculativeReuse.generate = plain, reuse_generate
     wall = time.perf_counter() - t0
     steps = [r for r in records if r["step"] > 0]
     assert len(clock.calls) == len(steps)
@@ -319,8 +324,11 @@ def verification_cost(threads: int = 1, overrides: list[str] = (), reps: int = 2
     from bitrl.engine.evaluate import encode_prompts
     from bitrl.engine.loop import build
     from bitrl.engine.warmstart import warm_start
-    from bitrl.rollout.engine import decoder_for, distinct_prompts, engine_options, generate, prefill
+    from bitrl.rollout.batch import distinct_prompts
+    from bitrl.rollout.decoder import prefill
+    from bitrl.rollout.generation import RolloutEngine
     from bitrl.rollout.reuse import generate_with_drafts
+    from bitrl.rollout.settings import Sampling
 
     torch.set_num_threads(threads)
     cfg = load_config(None, list(overrides))
@@ -333,13 +341,14 @@ def verification_cost(threads: int = 1, overrides: list[str] = (), reps: int = 2
     prompts = encode_prompts(
         tokenizer, [p for p in problems for _ in range(cfg.rollout.group_size)], cfg.task
     )
-    kw = dict(
+    sampling = Sampling(
         max_new_tokens=cfg.rollout.max_new_tokens,
         eos_id=tokenizer.eos_token_id,
         pad_id=tokenizer.pad_token_id,
-        generator=torch.Generator(device).manual_seed(0),
     )
-    _, _, drafts = generate_with_drafts(policy, prompts, [None] * len(prompts), **kw)
+    engine = RolloutEngine(policy, sampling)
+    generator = torch.Generator(device).manual_seed(0)
+    _, _, drafts = generate_with_drafts(engine, prompts, [None] * len(prompts), generator=generator)
     cuda = device.type == "cuda"
 
     def clock() -> float:
@@ -357,13 +366,14 @@ def verification_cost(threads: int = 1, overrides: list[str] = (), reps: int = 2
             elapsed = clock() - t
         return 1e3 * elapsed / reps, {k: v // reps for k, v in count.items()}
 
-    fresh_ms, fresh = measure(lambda: generate(policy, prompts, **kw))
-    reuse_ms, reuse = measure(lambda: generate_with_drafts(policy, prompts, drafts, **kw))
+    fresh_ms, fresh = measure(lambda: engine.generate(prompts, generator=generator))
+    reuse_ms, reuse = measure(lambda: generate_with_drafts(engine, prompts, drafts, generator=generator))
+
     def prompt_prefill():  # what generate runs before its first token: each distinct prompt once
         ids, mask, _ = distinct_prompts(prompts, tokenizer.pad_token_id, device)
-        options = engine_options(policy)
+        options = engine.options
         distinct = [p[m].tolist() for p, m in zip(ids, mask)]
-        prefill(decoder_for(policy), distinct, options.max_batch_rows, options.kv_cache_dtype)
+        prefill(engine.decoder, distinct, options.max_batch_rows, options.kv_cache_dtype)
 
     prefill_ms, _ = measure(prompt_prefill)
     return {

@@ -24,8 +24,9 @@ MODES = [("spec-rl", 0), ("exact", V), ("exact", 1), ("exact", 0)]
 
 
 def main(argv=None) -> int:
-    from bitrl.rollout.engine import generate
-    from bitrl.rollout.reuse_tv import (
+    from bitrl.rollout.generation import RolloutEngine
+    from bitrl.rollout.settings import Sampling
+    from bitrl.tests.reuse_tv import (  # the exact formulas, shared with tests/test_reuse.py
         empirical_distribution,
         engine_reuse_distribution,
         enumerable_model,
@@ -82,14 +83,8 @@ def main(argv=None) -> int:
             + " |"
         )
         n = args.samples
-        floor = generate(
-            new,
-            [prompt] * n,
-            max_new_tokens=LEN,
-            eos_id=EOS,
-            pad_id=0,
-            generator=torch.Generator().manual_seed(9),
-        )
+        engine = RolloutEngine(new, Sampling(max_new_tokens=LEN, eos_id=EOS, pad_id=0))
+        floor = engine.generate([prompt] * n, generator=torch.Generator().manual_seed(9))
         print(
             f"\nengine check, {n} samples at l = 1 (noise floor: fresh samples vs exact "
             f"{total_variation(empirical_distribution(floor), p_new):.4f})"

@@ -7,11 +7,11 @@ on the CPU, fp32 and bf16, same sampling settings everywhere (temperature 1, no 
 * "long-tail": the same prompts with EOS enabled and a long-tailed budget (most rows stop early).
 
 Engines: "old" = bitrl's rollout/engine.py at commit 1895635 (DynamicCache grown by concatenation, two host
-syncs per step, eager HF forward), loaded from git into a temporary module; "new" = bitrl.rollout.engine
-(eager decode step); "new-compiled" = the same with rollout.compile=true (the decode step under
-torch.compile, one fixed shape); "hf" = model.generate with its default (dynamic) cache; "hf-static" =
-model.generate(cache_implementation="static") with the forward under torch.compile. Engines run
-interleaved, repetition by repetition, in ONE process, so ratios share the machine's load.
+syncs per step, eager HF forward), loaded from git into a temporary module; "new" = bitrl's RolloutEngine
+(bitrl.rollout.generation; eager decode step); "new-compiled" = the same with rollout.compile=true (the
+decode step under torch.compile, one fixed shape); "hf" = model.generate with its default (dynamic) cache;
+"hf-static" = model.generate(cache_implementation="static") with the forward under torch.compile. Engines
+run interleaved, repetition by repetition, in ONE process, so ratios share the machine's load.
 
     python benchmarks/bench_rollout.py --prompts 64 --new-tokens 128 --reps 2 \
         --out benchmarks/results/bench_rollout.json
@@ -98,14 +98,18 @@ def run_engine(name, model, prompts, new_tokens, eos_id, pad_id, seed, old_engin
     g = torch.Generator().manual_seed(seed)
     if name in ("old", "new", "new-compiled"):
         if name == "old":
-            generate = old_engine.generate
+            r = old_engine.generate(
+                model, prompts, max_new_tokens=new_tokens, eos_id=eos_id, pad_id=pad_id, generator=g
+            )
         else:
-            from bitrl.rollout.engine import generate, set_engine_options
+            from bitrl.rollout.generation import RolloutEngine
+            from bitrl.rollout.settings import EngineOptions, Sampling
 
-            set_engine_options(model, compile=name == "new-compiled")
-        r = generate(model, prompts, max_new_tokens=new_tokens, eos_id=eos_id, pad_id=pad_id, generator=g)
+            sampling = Sampling(max_new_tokens=new_tokens, eos_id=eos_id, pad_id=pad_id)
+            options = EngineOptions(compile=name == "new-compiled")
+            r = RolloutEngine(model, sampling, options).generate(prompts, generator=g)
         return int(r.response_mask.sum())
-    from bitrl.rollout.engine import left_pad
+    from bitrl.rollout.batch import left_pad
 
     ids, mask = left_pad(prompts, pad_id)
     torch.manual_seed(seed)

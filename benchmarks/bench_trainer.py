@@ -76,7 +76,7 @@ def synthetic_rollout(rows: int, prompt: int, response: int, vocab: int):
     """A rollout batch of random tokens, responses of random lengths, and random advantages (seeded)."""
     import torch
 
-    from bitrl.rollout.engine import Rollout
+    from bitrl.rollout.batch import Rollout
 
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(response // 2, response + 1, (rows,), generator=gen)

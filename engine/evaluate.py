@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from bitrl.engine.tasks import REWARDS
-from bitrl.rollout.engine import generate
+from bitrl.rollout.generation import RolloutEngine
+from bitrl.rollout.settings import EngineOptions, Sampling
 
 
 def prompt_text(tokenizer, prompt: str, task) -> tuple[str, bool]:
@@ -42,20 +43,23 @@ def score(tokenizer, reward_fn, rollout, problems) -> torch.Tensor:
 
 
 @torch.no_grad()
-def accuracy(model, tokenizer, problems, cfg, batch_size: int = 512) -> float:
-    """Accuracy with greedy decoding: the fraction of `problems` whose reward is 1. cfg: engine Config."""
+def accuracy(
+    model, tokenizer, problems, cfg, options: EngineOptions | None = None, batch_size: int = 512
+) -> float:
+    """Accuracy with greedy decoding: the fraction of `problems` whose reward is 1. cfg: engine Config;
+    options: how the rollout engine runs on `model` (default EngineOptions())."""
     model.eval()
     reward_fn = REWARDS[cfg.task.reward]
+    greedy = Sampling(
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        temperature=0.0,
+    )
+    engine = RolloutEngine(model, greedy, options)
     correct = 0.0
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
-        rollout = generate(
-            model,
-            encode_prompts(tokenizer, chunk, cfg.task),
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            eos_id=tokenizer.eos_token_id,
-            pad_id=tokenizer.pad_token_id,
-            temperature=0.0,
-        )
+        rollout = engine.generate(encode_prompts(tokenizer, chunk, cfg.task))
         correct += float((score(tokenizer, reward_fn, rollout, chunk) >= 1.0).sum())
     return correct / len(problems)

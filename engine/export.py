@@ -19,8 +19,8 @@ def export_run(run_dir: str | Path, out: str | Path, log=print) -> Path:
     from bitrl.engine.loop import build, prepare_policy
     from bitrl.engine.models import DTYPES
     from bitrl.engine.warmstart import warm_start
+    from bitrl.rollout.lora_merge import has_lora, merge_lora
     from bitrl.train.checkpoint import load_checkpoint, load_policy_state
-    from bitrl.train.lora import has_lora, merge_lora
 
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "config.json").is_file():

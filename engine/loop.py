@@ -24,9 +24,10 @@ from bitrl.engine.report import plot_metrics
 from bitrl.engine.tasks import REWARDS, ArithmeticTask, CharTokenizer, InputError, JsonlTask, WordsTask
 from bitrl.engine.warmstart import warm_start
 from bitrl.quant import AQN, AQNSchedule
-from bitrl.rollout.engine import EngineOptions, generate, set_engine_options
+from bitrl.rollout.generation import RolloutEngine
 from bitrl.rollout.precision import make_rollout_model, sync_rollout_model_
 from bitrl.rollout.reuse import SpeculativeReuse, draw_prompt_pool, fixed_prompt_batch
+from bitrl.rollout.settings import EngineOptions, Sampling
 from bitrl.train.advantages import compute_advantages
 from bitrl.train.checkpoint import (
     load_checkpoint,
@@ -170,7 +171,16 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     # the trainer, which shards the policy when data-parallel: every rank keeps a whole rollout copy.
     precision = rollout_precision(cfg)
     rollout_model = make_rollout_model(policy, precision, cfg.rollout.act_quant, cfg.rollout.mx_scale_mode)
-    set_engine_options(rollout_model, EngineOptions.from_config(cfg.rollout))  # cache dtype, batch rows
+    options = EngineOptions.from_config(cfg.rollout)  # cache dtype, batch rows, compiled step
+    sampling = Sampling(
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        temperature=cfg.rollout.temperature,
+        top_k=cfg.rollout.top_k,
+        top_p=cfg.rollout.top_p,
+    )
+    engine = RolloutEngine(rollout_model, sampling, options)
     trainer = PolicyTrainer(policy, cfg.train, temperature=cfg.rollout.temperature)
 
     # Sharded, the policy is evaluated through its rollout copy where that holds the very same weights (full
@@ -180,7 +190,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     def evaluate():
         """Held-out accuracy of the policy."""
         if ctx.enabled and same_weights:
-            return accuracy(rollout_model, tokenizer, task.eval_problems, cfg)
+            return accuracy(rollout_model, tokenizer, task.eval_problems, cfg, options)
         with gathered(policy):
             return accuracy(policy, tokenizer, task.eval_problems, cfg)
 
@@ -241,22 +251,13 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
         grouped = [p for p in problems for _ in range(G)]
         # row i's draft is cached under (prompt uid, i-th sample of its group)
         draft_keys = [(p.uid, i % G) for i, p in enumerate(grouped)]
-        rollout_fn = generate if reuse is None else reuse.bind(draft_keys)
-        # sampling keyed by global sample id: a sample does not depend on the world size or on its rank
-        keyed = {"sample_ids": sample_ids(my_groups, G).to(device)} if reuse is None else {}
-        prompt_ids = encode_prompts(tokenizer, problems, cfg.task)
-        rollout = rollout_fn(
-            rollout_model,
-            [ids for ids in prompt_ids for _ in range(G)],
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            eos_id=tokenizer.eos_token_id,
-            pad_id=tokenizer.pad_token_id,
-            temperature=cfg.rollout.temperature,
-            top_k=cfg.rollout.top_k,
-            top_p=cfg.rollout.top_p,
-            generator=sampler,
-            **keyed,
-        )
+        prompts = [ids for ids in encode_prompts(tokenizer, problems, cfg.task) for _ in range(G)]
+        if reuse is None:
+            # sampling keyed by global sample id: a sample does not depend on the world size or on its rank
+            ids = sample_ids(my_groups, G).to(device)
+            rollout, reuse_metrics = engine.generate(prompts, generator=sampler, sample_ids=ids), {}
+        else:
+            rollout, reuse_metrics = reuse.generate(engine, prompts, draft_keys, generator=sampler)
         rollout = pad_to_global_width(rollout, tokenizer.pad_token_id)
         t_rollout = time.perf_counter() - t0
         # 2. reward and advantages
@@ -285,7 +286,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
             "rollout_time_s": t_rollout,
             "trainable_params": trainer.trainable_parameters,
             "step_time_s": step_time,
-            **(reuse.last_metrics if reuse is not None else {}),
+            **reuse_metrics,
             **({"aqn_sigma": aqn_sigma} if aqn is not None else {}),
         }
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:

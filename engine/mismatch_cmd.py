@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from bitrl.integrations.external import read_external, read_external_dump
-from bitrl.rollout.engine import Rollout, left_pad
+from bitrl.rollout.batch import Rollout, left_pad
 from bitrl.train.mismatch import mismatch_diagnostics
 
 USAGE_EXAMPLES = """examples:
@@ -213,8 +213,9 @@ def run(args) -> int:
     from bitrl.engine.models import load_pretrained
     from bitrl.engine.tasks import Problem
     from bitrl.engine.warmstart import warm_start
-    from bitrl.rollout.engine import generate
+    from bitrl.rollout.generation import RolloutEngine
     from bitrl.rollout.precision import PRECISIONS, make_rollout_model
+    from bitrl.rollout.settings import Sampling
     from bitrl.train.logprobs import token_logprobs
 
     if args.rollout_precision not in PRECISIONS:
@@ -245,15 +246,16 @@ def run(args) -> int:
         rollout_model = make_rollout_model(policy, args.rollout_precision, mx_scale_mode=args.mx_scale_mode)
         chat = TaskConfig(chat_template=args.chat_template, system_prompt=args.system_prompt)
         prompt_ids = encode_prompts(tokenizer, [Problem(str(i), p, "") for i, p in enumerate(prompts)], chat)
-        rollout = generate(
-            rollout_model,
-            [ids for ids in prompt_ids for _ in range(args.samples_per_prompt)],
+        sampling = Sampling(
             max_new_tokens=max_new,
             eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
+        )
+        rollout = RolloutEngine(rollout_model, sampling).generate(
+            [ids for ids in prompt_ids for _ in range(args.samples_per_prompt)],
             generator=torch.Generator().manual_seed(args.seed),
         )
         scales = f" ({args.mx_scale_mode} scales)" if args.rollout_precision.startswith("mx") else ""

@@ -14,7 +14,7 @@ from safetensors.torch import load_model, save_model
 import bitrl
 from bitrl.engine.evaluate import accuracy, encode_prompts
 from bitrl.kernels._common import cache_root
-from bitrl.rollout.engine import left_pad, position_ids_from_mask
+from bitrl.rollout.batch import left_pad, position_ids_from_mask
 
 
 def cache_key(cfg) -> str:

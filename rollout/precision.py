@@ -4,8 +4,9 @@ Float precisions (fp32, bf16, fp16) are a cast copy; quantized ones (fp8, mxfp8,
 nn.Linear except the embeddings and the LM head for a bitrl.quant.QuantLinear, re-quantized on sync only
 where the trainer's weights changed.
 
-A policy with LoRA adapters (bitrl.train.lora) gets a plain copy holding the merged weights W + (alpha/r) B A,
-re-merged (and re-quantized) on sync; only adapted layers change, so only they are touched. With a QeRL-style
+A policy with LoRA adapters (bitrl.train.lora) gets a plain copy holding the merged weights W + (alpha/r) B A
+(bitrl.rollout.lora_merge), re-merged (and re-quantized) on sync; only adapted layers change, so only they
+are touched. With a QeRL-style
 quantized base the copy keeps the adapters unmerged and holds the trainer's own base modules: the base is
 stored once and both models see the same bits.
 """
@@ -16,7 +17,7 @@ import copy
 
 import torch
 
-from bitrl.train.lora import lora_layers, merge_lora, merged_weight
+from bitrl.rollout.lora_merge import lora_layers, merge_lora, merged_weight
 
 FLOAT_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUANT_FORMATS = {"fp8": "fp8_e4m3", "mxfp8": "mxfp8", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}

@@ -40,11 +40,13 @@ def tiny_policy(seed: int = 0):
 
 def global_batch(policy):
     """GROUPS prompts of different lengths, GROUP_SIZE samples each, and per-sample advantages."""
-    from bitrl.rollout.engine import generate
+    from bitrl.rollout.generation import RolloutEngine
+    from bitrl.rollout.settings import Sampling
 
     prompts = [[1, 5 + g] + [7] * g for g in range(GROUPS) for _ in range(GROUP_SIZE)]
     generator = torch.Generator().manual_seed(1)
-    rollout = generate(policy, prompts, max_new_tokens=6, eos_id=2, pad_id=0, generator=generator)
+    engine = RolloutEngine(policy, Sampling(max_new_tokens=6, eos_id=2, pad_id=0))
+    rollout = engine.generate(prompts, generator=generator)
     advantages = torch.randn(len(prompts), generator=generator)
     return rollout, advantages
 
@@ -139,6 +141,7 @@ def worker_trainer(out: Path) -> None:
 
     from bitrl.quant import quantize
     from bitrl.quant.linear import QuantLinear
+    from bitrl.rollout.lora_merge import lora_layers, merged_weight
     from bitrl.rollout.precision import make_rollout_model
     from bitrl.train.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
     from bitrl.train.distributed import (
@@ -148,7 +151,7 @@ def worker_trainer(out: Path) -> None:
         rank_groups,
         sync_rollout_model_sharded_,
     )
-    from bitrl.train.lora import apply_lora, lora_layers, merged_weight
+    from bitrl.train.lora import apply_lora
     from bitrl.train.trainer import PolicyTrainer, rollout_rows
 
     torch.set_num_threads(1)

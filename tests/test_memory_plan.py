@@ -100,7 +100,7 @@ def _saved_by_one_update(cfg, config, rows: int, prompt: int, response: int) -> 
     from transformers import LlamaForCausalLM
 
     from bitrl.engine.models import DTYPES
-    from bitrl.rollout.engine import Rollout
+    from bitrl.rollout.batch import Rollout
     from bitrl.train.lora import apply_lora
     from bitrl.train.trainer import PolicyTrainer
 

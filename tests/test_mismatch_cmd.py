@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from bitrl.engine.mismatch_cmd import main, read_external
-from bitrl.rollout.engine import generate
+from bitrl.rollout.generation import RolloutEngine
+from bitrl.rollout.settings import Sampling
 
 
 def test_demo_mxfp4_writes_summary_and_plot(tmp_path):
@@ -22,8 +23,8 @@ def test_external_file_from_the_same_model_has_no_mismatch(tmp_path, hf_model_di
     model_dir = hf_model_dir
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = [[1, 10, 11, 12], [1, 13]]
-    r = generate(
-        model, prompts, max_new_tokens=6, eos_id=2, pad_id=0, generator=torch.Generator().manual_seed(0)
+    r = RolloutEngine(model, Sampling(max_new_tokens=6, eos_id=2, pad_id=0)).generate(
+        prompts, generator=torch.Generator().manual_seed(0)
     )
     path = tmp_path / "ext.jsonl"
     with open(path, "w") as f:

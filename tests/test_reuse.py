@@ -7,20 +7,7 @@ import math
 import pytest
 import torch
 from conftest import TINY_DEMO_MODEL
-
-from bitrl.kernels.sampling import draw_step_seed, sample_seeds
-from bitrl.rollout.engine import generate, generate_rows
-from bitrl.rollout.reuse import (
-    Draft,
-    DraftTree,
-    RolloutCache,
-    SpeculativeReuse,
-    acceptance,
-    fixed_prompt_batch,
-    generate_with_drafts,
-    residual_logprobs,
-)
-from bitrl.rollout.reuse_tv import (
+from reuse_tv import (
     engine_reuse_distribution,
     enumerable_model,
     fresh_distribution,
@@ -30,6 +17,19 @@ from bitrl.rollout.reuse_tv import (
     sequences,
     total_variation,
 )
+
+from bitrl.kernels.sampling import draw_step_seed, sample_seeds
+from bitrl.rollout.draft_cache import Draft, RolloutCache
+from bitrl.rollout.draft_tree import DraftTree
+from bitrl.rollout.generation import RolloutEngine
+from bitrl.rollout.reuse import (
+    SpeculativeReuse,
+    acceptance,
+    fixed_prompt_batch,
+    generate_with_drafts,
+    residual_logprobs,
+)
+from bitrl.rollout.settings import Sampling, filtered_logprobs
 from bitrl.train.logprobs import token_logprobs
 
 L = math.log
@@ -129,8 +129,10 @@ def _forced_drafts(rollout, accept_at):
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (6, 0.9)])
 def test_resume_from_rejection_equals_fresh_generation(tiny_qwen, top_k, top_p):
-    sampling = dict(max_new_tokens=M, eos_id=2, pad_id=0, top_k=top_k, top_p=top_p)
-    r0 = generate(tiny_qwen, PROMPTS, generator=torch.Generator().manual_seed(3), **sampling)
+    engine = RolloutEngine(
+        tiny_qwen, Sampling(max_new_tokens=M, eos_id=2, pad_id=0, top_k=top_k, top_p=top_p)
+    )
+    r0 = engine.generate(PROMPTS, generator=torch.Generator().manual_seed(3))
     lengths = r0.response_mask.sum(1).tolist()
     # row 0: reject at 1; row 1: no draft; row 2: reject at 0; row 3: fully accepted; row 4: reject at 2
     accept_at = [1, None, 0, lengths[3], 2]
@@ -141,7 +143,7 @@ def test_resume_from_rejection_equals_fresh_generation(tiny_qwen, top_k, top_p):
 
     with recorded_forwards(tiny_qwen) as calls:
         out, stats, new_drafts = generate_with_drafts(
-            tiny_qwen, PROMPTS, drafts, generator=torch.Generator().manual_seed(11), **sampling
+            engine, PROMPTS, drafts, generator=torch.Generator().manual_seed(11)
         )
     # Verification: ONE forward over the prompts, each followed by its draft, packed into rows as long as the
     # longest; after that only single-token decoding steps (no second prefill).
@@ -163,9 +165,7 @@ def test_resume_from_rejection_equals_fresh_generation(tiny_qwen, top_k, top_p):
     active = [b for b in range(len(PROMPTS)) if not stats.fully_reused[b]]
     extended = [PROMPTS[b] + r0.response_ids[b, : expected_acc[b]].tolist() for b in active]
     seeds = sample_seeds(draw_step_seed(g), torch.tensor(active))
-    fresh = generate_rows(
-        tiny_qwen, extended, seeds, torch.tensor([expected_acc[b] for b in active]), **sampling
-    )
+    fresh = engine.generate_rows(extended, seeds, torch.tensor([expected_acc[b] for b in active]))
     for i, b in enumerate(active):
         a = expected_acc[b]
         cont = fresh.response_ids[i][fresh.response_mask[i]].tolist()[: M - a]
@@ -179,8 +179,6 @@ def test_resume_from_rejection_equals_fresh_generation(tiny_qwen, top_k, top_p):
     ids, mask, pos = out.full_sequence()
     with torch.no_grad():
         logits = tiny_qwen(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits
-    from bitrl.rollout.sampling import filtered_logprobs
-
     p = out.prompt_ids.shape[1]
     ref = filtered_logprobs(logits[:, p - 1 : p - 1 + out.response_ids.shape[1]], 1.0, top_k, top_p)
     ref = ref.gather(-1, out.response_ids[..., None]).squeeze(-1)
@@ -244,11 +242,11 @@ def test_group_drafts_sharing_prefixes_are_scored_as_one_tree(tiny_qwen, attenti
     """Rows of a group whose drafts share prefixes: one forward over packed [prompt | tree] segments; every
     row's returned log-probs are those of a plain forward over its own sequence, also when a prompt's
     drafts are split over several segments."""
-    monkeypatch.setattr("bitrl.rollout.reuse.MAX_SEGMENT_COLUMNS", max_columns)
+    monkeypatch.setattr("bitrl.rollout.draft_tree.MAX_SEGMENT_COLUMNS", max_columns)
     tiny_qwen.set_attn_implementation(attention)
     prompts = [PROMPTS[0]] * 4 + [PROMPTS[2]] * 2
-    sampling = dict(max_new_tokens=M, eos_id=2, pad_id=0)
-    r0 = generate(tiny_qwen, prompts, generator=torch.Generator().manual_seed(1), **sampling)
+    engine = RolloutEngine(tiny_qwen, Sampling(max_new_tokens=M, eos_id=2, pad_id=0))
+    r0 = engine.generate(prompts, generator=torch.Generator().manual_seed(1))
     lengths = r0.response_mask.sum(1).tolist()
     assert min(lengths[:3]) >= 4, "the seed must give drafts long enough to branch"
     accept_at = [2, 3, 1, None, lengths[4], 0]
@@ -262,7 +260,7 @@ def test_group_drafts_sharing_prefixes_are_scored_as_one_tree(tiny_qwen, attenti
 
     with recorded_forwards(tiny_qwen) as calls:
         out, stats, _ = generate_with_drafts(
-            tiny_qwen, prompts, drafts, generator=torch.Generator().manual_seed(8), **sampling
+            engine, prompts, drafts, generator=torch.Generator().manual_seed(8)
         )
     assert tree_size(drafts[:4]) < sum(lengths[:3])  # rows 0-2 share prefixes
     segments = [len(PROMPTS[0]) + tree_size(drafts[:4]), len(PROMPTS[2]) + tree_size(drafts[4:])]
@@ -287,8 +285,8 @@ def test_verification_scores_the_vocabulary_a_chunk_of_nodes_at_a_time(tiny_qwen
     """Drafts are scored with the LM head on a few tree nodes at a time (never [rows, tokens, vocab]); the
     results do not depend on the chunk size, and a FlashAttention setting does not matter (the engine runs
     its own attention over the tree mask)."""
-    sampling = dict(max_new_tokens=M, eos_id=2, pad_id=0, top_k=6, top_p=0.9)
-    r0 = generate(tiny_qwen, PROMPTS, generator=torch.Generator().manual_seed(3), **sampling)
+    engine = RolloutEngine(tiny_qwen, Sampling(max_new_tokens=M, eos_id=2, pad_id=0, top_k=6, top_p=0.9))
+    r0 = engine.generate(PROMPTS, generator=torch.Generator().manual_seed(3))
     drafts = _forced_drafts(r0, [1, None, 0, 3, 2])
 
     def run():
@@ -296,20 +294,14 @@ def test_verification_scores_the_vocabulary_a_chunk_of_nodes_at_a_time(tiny_qwen
         hook = tiny_qwen.lm_head.register_forward_hook(lambda _, args, out: rows.append(args[0].shape[0]))
         try:
             out = generate_with_drafts(
-                tiny_qwen,
-                PROMPTS,
-                drafts,
-                mode="exact",
-                keep_topk=3,
-                generator=torch.Generator().manual_seed(4),
-                **sampling,
+                engine, PROMPTS, drafts, mode="exact", keep_topk=3, generator=torch.Generator().manual_seed(4)
             )
         finally:
             hook.remove()
         return out, rows
 
     (ref, _, ref_drafts), _ = run()
-    monkeypatch.setattr("bitrl.rollout.reuse.default_chunk_size", lambda *a, **k: 2)
+    monkeypatch.setattr("bitrl.rollout.draft_tree.default_chunk_size", lambda *a, **k: 2)
     tiny_qwen.config._attn_implementation = "flash_attention_2"
     (out, _, new_drafts), rows = run()
     assert max(rows[:3]) == 2  # the first LM-head calls score tree nodes, two at a time
@@ -320,10 +312,10 @@ def test_verification_scores_the_vocabulary_a_chunk_of_nodes_at_a_time(tiny_qwen
 
 
 def test_without_drafts_it_is_generate(tiny_qwen):
-    sampling = dict(max_new_tokens=8, eos_id=2, pad_id=0, temperature=0.8)
-    ref = generate(tiny_qwen, PROMPTS, generator=torch.Generator().manual_seed(5), **sampling)
+    engine = RolloutEngine(tiny_qwen, Sampling(max_new_tokens=8, eos_id=2, pad_id=0, temperature=0.8))
+    ref = engine.generate(PROMPTS, generator=torch.Generator().manual_seed(5))
     out, stats, _ = generate_with_drafts(
-        tiny_qwen, PROMPTS, [None] * len(PROMPTS), generator=torch.Generator().manual_seed(5), **sampling
+        engine, PROMPTS, [None] * len(PROMPTS), generator=torch.Generator().manual_seed(5)
     )
     assert torch.equal(out.response_ids, ref.response_ids)
     assert torch.equal(out.response_mask, ref.response_mask)
@@ -332,19 +324,15 @@ def test_without_drafts_it_is_generate(tiny_qwen):
 
 
 def test_same_policy_accepts_every_draft_and_is_deterministic(tiny_qwen):
-    sampling = dict(max_new_tokens=6, eos_id=2, pad_id=0)
+    engine = RolloutEngine(tiny_qwen, Sampling(max_new_tokens=6, eos_id=2, pad_id=0))
     reuse = SpeculativeReuse(_ReuseCfg(lenience=1.0, mode="spec-rl", cache_tokens=10_000, exact_topk=0))
     keys = list(range(len(PROMPTS)))
-    first, m1 = reuse.generate(
-        tiny_qwen, PROMPTS, keys, generator=torch.Generator().manual_seed(1), **sampling
-    )
+    first, m1 = reuse.generate(engine, PROMPTS, keys, generator=torch.Generator().manual_seed(1))
     assert m1["reuse_hit_rate"] == 0
     runs = []
     for _ in range(2):
         again = copy.deepcopy(reuse)
-        runs.append(
-            again.generate(tiny_qwen, PROMPTS, keys, generator=torch.Generator().manual_seed(2), **sampling)
-        )
+        runs.append(again.generate(engine, PROMPTS, keys, generator=torch.Generator().manual_seed(2)))
     (second, m2), (third, m3) = runs
     # pi_new == pi_old: every draft token is accepted (u < 1 = ratio), so the first responses come back.
     assert m2["reuse_full_frac"] == 1.0 and m2["reuse_tokens_generated"] == 0
@@ -513,17 +501,18 @@ def test_reuse_config_validation():
 
 def test_draft_length_against_max_new_tokens(tiny_qwen):
     """Drafts are cut at max_new_tokens; an accepted draft that has not ended nor hit the limit goes on."""
-    sampling = dict(eos_id=2, pad_id=0)
-    r0 = generate(
-        tiny_qwen, PROMPTS, max_new_tokens=4, generator=torch.Generator().manual_seed(4), **sampling
-    )
+
+    def engine(max_new_tokens):
+        return RolloutEngine(tiny_qwen, Sampling(max_new_tokens=max_new_tokens, eos_id=2, pad_id=0))
+
+    r0 = engine(4).generate(PROMPTS, generator=torch.Generator().manual_seed(4))
     drafts = _forced_drafts(r0, [4] * len(PROMPTS))  # every token accepted
     short, stats, _ = generate_with_drafts(
-        tiny_qwen, PROMPTS, drafts, max_new_tokens=2, generator=torch.Generator().manual_seed(0), **sampling
+        engine(2), PROMPTS, drafts, generator=torch.Generator().manual_seed(0)
     )
     assert stats.fully_reused.all() and torch.equal(short.response_ids, r0.response_ids[:, :2])
     long, stats, _ = generate_with_drafts(
-        tiny_qwen, PROMPTS, drafts, max_new_tokens=7, generator=torch.Generator().manual_seed(0), **sampling
+        engine(7), PROMPTS, drafts, generator=torch.Generator().manual_seed(0)
     )
     for b in range(len(PROMPTS)):
         n = int(r0.response_mask[b].sum())
@@ -537,17 +526,11 @@ def test_draft_length_against_max_new_tokens(tiny_qwen):
 def test_low_precision_rollout_copy(tiny_qwen):
     """A bf16 rollout copy verifies and resumes; log-probs are its own (fp32), within bf16 noise."""
     model = copy.deepcopy(tiny_qwen).to(torch.bfloat16)
-    sampling = dict(max_new_tokens=8, eos_id=2, pad_id=0)
-    r0 = generate(model, PROMPTS, generator=torch.Generator().manual_seed(6), **sampling)
+    engine = RolloutEngine(model, Sampling(max_new_tokens=8, eos_id=2, pad_id=0))
+    r0 = engine.generate(PROMPTS, generator=torch.Generator().manual_seed(6))
     drafts = _forced_drafts(r0, [1, 0, 2, None, 3])
     out, stats, _ = generate_with_drafts(
-        model,
-        PROMPTS,
-        drafts,
-        mode="exact",
-        keep_topk=4,
-        generator=torch.Generator().manual_seed(1),
-        **sampling,
+        engine, PROMPTS, drafts, mode="exact", keep_topk=4, generator=torch.Generator().manual_seed(1)
     )
     assert out.logprobs.dtype == torch.float32
     with torch.no_grad():
@@ -562,14 +545,10 @@ def test_quantized_rollout_copy(tiny_qwen, precision):
     from bitrl.rollout.precision import make_rollout_model
 
     model = make_rollout_model(tiny_qwen, precision)
-    sampling = dict(max_new_tokens=6, eos_id=2, pad_id=0)
-    r0 = generate(model, PROMPTS, generator=torch.Generator().manual_seed(6), **sampling)
+    engine = RolloutEngine(model, Sampling(max_new_tokens=6, eos_id=2, pad_id=0))
+    r0 = engine.generate(PROMPTS, generator=torch.Generator().manual_seed(6))
     out, _, _ = generate_with_drafts(
-        model,
-        PROMPTS,
-        _forced_drafts(r0, [1, 0, 2, None, 3]),
-        generator=torch.Generator().manual_seed(1),
-        **sampling,
+        engine, PROMPTS, _forced_drafts(r0, [1, 0, 2, None, 3]), generator=torch.Generator().manual_seed(1)
     )
     with torch.no_grad():
         full, _ = token_logprobs(model, out, with_entropy=False)
@@ -614,7 +593,7 @@ def test_cache_discard():
 def test_batched_residual_equals_row_by_row_with_uneven_old_support():
     """Rejected rows resample from their own residual even when drafts store different amounts of pi_old
     (including token id 0, which a zero-mass padding entry must not overwrite)."""
-    from bitrl.rollout.reuse import Draft, _resample_rejected, residual_logprobs
+    from bitrl.rollout.reuse import _resample_rejected
 
     torch.manual_seed(0)
     vocab = 6

@@ -3,8 +3,10 @@ import math
 import pytest
 import torch
 
-from bitrl.rollout.engine import Rollout, generate, left_pad, set_engine_options
-from bitrl.rollout.sampling import filtered_logprobs, sample_tokens
+from bitrl.kernels.sampling import draw_step_seed, fused_sample, sample_seeds
+from bitrl.rollout.batch import Rollout, left_pad
+from bitrl.rollout.generation import RolloutEngine
+from bitrl.rollout.settings import EngineOptions, Sampling, filtered_logprobs
 from bitrl.train.logprobs import token_logprobs
 
 
@@ -22,7 +24,9 @@ def test_left_pad():
 
 def test_generate_shapes_masks_and_eos(tiny_qwen):
     g = torch.Generator().manual_seed(0)
-    r = generate(tiny_qwen, _prompts(), max_new_tokens=12, eos_id=2, pad_id=0, generator=g)
+    r = RolloutEngine(tiny_qwen, Sampling(max_new_tokens=12, eos_id=2, pad_id=0)).generate(
+        _prompts(), generator=g
+    )
     assert r.response_ids.shape == r.response_mask.shape == r.logprobs.shape
     assert r.logprobs.dtype == torch.float32
     for ids, mask in zip(r.response_ids, r.response_mask):
@@ -35,17 +39,8 @@ def test_generate_shapes_masks_and_eos(tiny_qwen):
 
 
 def test_generate_is_deterministic_under_a_seed(tiny_qwen):
-    runs = [
-        generate(
-            tiny_qwen,
-            _prompts(),
-            max_new_tokens=8,
-            eos_id=2,
-            pad_id=0,
-            generator=torch.Generator().manual_seed(s),
-        )
-        for s in (7, 7, 8)
-    ]
+    engine = RolloutEngine(tiny_qwen, Sampling(max_new_tokens=8, eos_id=2, pad_id=0))
+    runs = [engine.generate(_prompts(), generator=torch.Generator().manual_seed(s)) for s in (7, 7, 8)]
     assert torch.equal(runs[0].response_ids, runs[1].response_ids)
     assert torch.equal(runs[0].logprobs, runs[1].logprobs)
     assert not torch.equal(runs[0].response_ids, runs[2].response_ids)
@@ -55,9 +50,8 @@ def test_generate_is_deterministic_under_a_seed(tiny_qwen):
 def test_rollout_logprobs_equal_a_full_forward(tiny_qwen, temperature):
     """The KV-cached, left-padded generation scores tokens exactly as one forward over the whole sequence."""
     g = torch.Generator().manual_seed(1)
-    r = generate(
-        tiny_qwen, _prompts(), max_new_tokens=10, eos_id=2, pad_id=0, temperature=temperature, generator=g
-    )
+    sampling = Sampling(max_new_tokens=10, eos_id=2, pad_id=0, temperature=temperature)
+    r = RolloutEngine(tiny_qwen, sampling).generate(_prompts(), generator=g)
     with torch.no_grad():
         full, _ = token_logprobs(tiny_qwen, r, temperature=temperature)
     m = r.response_mask
@@ -73,16 +67,11 @@ def test_grouped_prompts_are_prefilled_once_and_sampled_independently(tiny_qwen)
     hook = tiny_qwen.model.embed_tokens.register_forward_hook(
         lambda m, a, out: calls.append(tuple(a[0].shape))
     )
-    set_engine_options(tiny_qwen, max_batch_rows=5)
+    engine = RolloutEngine(
+        tiny_qwen, Sampling(max_new_tokens=10, eos_id=2, pad_id=0), EngineOptions(max_batch_rows=5)
+    )
     try:
-        r = generate(
-            tiny_qwen,
-            grouped,
-            max_new_tokens=10,
-            eos_id=2,
-            pad_id=0,
-            generator=torch.Generator().manual_seed(3),
-        )
+        r = engine.generate(grouped, generator=torch.Generator().manual_seed(3))
     finally:
         hook.remove()
     assert calls[0] == (3, 6)  # the three distinct prompts, once
@@ -95,9 +84,10 @@ def test_grouped_prompts_are_prefilled_once_and_sampled_independently(tiny_qwen)
     torch.testing.assert_close(r.logprobs[m], full[m], atol=1e-5, rtol=1e-5)
 
 
-def _generate(model, prompts, seed=5, **kw):
-    sampling = dict(max_new_tokens=12, eos_id=2, pad_id=0, top_p=0.9) | kw
-    return generate(model, prompts, generator=torch.Generator().manual_seed(seed), **sampling)
+def _generate(model, prompts, seed=5, options=None, sample_ids=None, **kw):
+    sampling = Sampling(**dict(max_new_tokens=12, eos_id=2, pad_id=0, top_p=0.9) | kw)
+    engine = RolloutEngine(model, sampling, options)
+    return engine.generate(prompts, generator=torch.Generator().manual_seed(seed), sample_ids=sample_ids)
 
 
 def _same_samples(a, b):
@@ -112,10 +102,9 @@ def test_continuous_batching_returns_the_samples_of_one_big_batch(tiny_qwen, row
     big = _generate(tiny_qwen, grouped)
     lengths = big.response_mask.sum(1)
     assert lengths.min() < lengths.max()  # uneven lengths: slots are recycled mid-way
-    set_engine_options(tiny_qwen, max_batch_rows=rows)
-    _same_samples(_generate(tiny_qwen, grouped), big)
-    set_engine_options(tiny_qwen, max_batch_rows=4, sync_every=3)  # the host looks every 3 steps
-    _same_samples(_generate(tiny_qwen, grouped), big)
+    _same_samples(_generate(tiny_qwen, grouped, options=EngineOptions(max_batch_rows=rows)), big)
+    every_3 = EngineOptions(max_batch_rows=4, sync_every=3)  # the host looks every 3 steps
+    _same_samples(_generate(tiny_qwen, grouped, options=every_3), big)
 
 
 def test_the_compiled_decode_step_returns_the_eager_samples(tiny_qwen):
@@ -123,11 +112,7 @@ def test_the_compiled_decode_step_returns_the_eager_samples(tiny_qwen):
     batch never shrinks) draws the eager reference's samples."""
     grouped = [p for p in _prompts() for _ in range(3)]
     eager = _generate(tiny_qwen, grouped)
-    set_engine_options(tiny_qwen, max_batch_rows=4, compile=True)
-    try:
-        _same_samples(_generate(tiny_qwen, grouped), eager)
-    finally:
-        set_engine_options(tiny_qwen)
+    _same_samples(_generate(tiny_qwen, grouped, options=EngineOptions(max_batch_rows=4, compile=True)), eager)
 
 
 def test_the_compiled_decode_step_compiles_once_for_many_rollouts(tiny_qwen, monkeypatch):
@@ -137,31 +122,36 @@ def test_the_compiled_decode_step_compiles_once_for_many_rollouts(tiny_qwen, mon
     backend."""
     from torch._dynamo.testing import CompileCounter
 
-    from bitrl.rollout import engine
+    from bitrl.rollout import decode_loop
 
     torch._dynamo.reset()
     counter = CompileCounter()
-    compiled = torch.compile(engine.next_tokens, backend=counter, dynamic=False)  # as the engine compiles it
-    monkeypatch.setitem(engine._COMPILED_NEXT_TOKENS, "cpu", compiled)
-    set_engine_options(tiny_qwen, max_batch_rows=8, compile=True)
+    compiled = torch.compile(decode_loop.next_tokens, backend=counter, dynamic=False)  # as the engine does
+    monkeypatch.setitem(decode_loop._COMPILED_NEXT_TOKENS, "cpu", compiled)
+    options = EngineOptions(max_batch_rows=8, compile=True)
     prompts = _prompts()
+
+    def generate(batch, new_tokens):
+        return RolloutEngine(
+            tiny_qwen, Sampling(max_new_tokens=new_tokens, eos_id=2, pad_id=0), options
+        ).generate(batch)
+
     try:
         frames = []
         for rows, new_tokens in ((3, 4), (12, 9), (5, 20), (1, 2)):
             batch = [prompts[i % len(prompts)][: 2 + i % 3] for i in range(rows)]
-            r = generate(tiny_qwen, batch, max_new_tokens=new_tokens, eos_id=2, pad_id=0)
+            r = generate(batch, new_tokens)
             assert r.response_ids.shape[0] == rows
             frames.append(counter.frame_count)
         assert frames[0] > 0 and frames == [frames[0]] * 4, frames  # nothing recompiled
-        generate(tiny_qwen, prompts, max_new_tokens=60, eos_id=2, pad_id=0)  # past 64 columns: one more
+        generate(prompts, 60)  # past 64 columns: one more
         assert frames[0] < counter.frame_count <= 2 * frames[0]
     finally:
-        set_engine_options(tiny_qwen)
         torch._dynamo.reset()
 
 
 def test_compiled_widths_are_powers_of_two():
-    from bitrl.rollout.engine import compiled_width
+    from bitrl.rollout.decode_loop import compiled_width
 
     assert [compiled_width(c) for c in (1, 64, 65, 128, 129, 1000)] == [64, 64, 128, 128, 256, 1024]
 
@@ -190,8 +180,7 @@ def test_fp8_kv_cache_mismatch_is_reported_by_the_diagnostics(tiny_qwen):
     grouped = [p for p in _prompts() for _ in range(4)]
     found = {}
     for kv in ("auto", "fp8"):
-        set_engine_options(tiny_qwen, kv_cache_dtype=kv)
-        r = _generate(tiny_qwen, grouped, top_p=1.0)
+        r = _generate(tiny_qwen, grouped, options=EngineOptions(kv_cache_dtype=kv), top_p=1.0)
         with torch.no_grad():
             full, _ = token_logprobs(tiny_qwen, r, with_entropy=False)
         found[kv] = mismatch_diagnostics(full, r.logprobs, r.response_mask)
@@ -207,19 +196,18 @@ def test_engine_options_and_model_validation(tiny_qwen):
         (dict(sync_every=0), "sync_every"),
     ]:
         with pytest.raises(ValueError, match=name):
-            set_engine_options(tiny_qwen, **fields)
+            EngineOptions(**fields)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=16)).eval()
     with pytest.raises(ValueError, match="Llama-family"):
-        generate(gpt2, _prompts(), max_new_tokens=2, eos_id=2, pad_id=0)
+        RolloutEngine(gpt2, Sampling(max_new_tokens=2, eos_id=2, pad_id=0)).generate(_prompts())
 
 
 def test_rollout_logprobs_with_top_k_top_p_match_the_filtered_full_forward(tiny_qwen):
     g = torch.Generator().manual_seed(2)
-    r = generate(
-        tiny_qwen, _prompts(), max_new_tokens=10, eos_id=2, pad_id=0, top_k=6, top_p=0.8, generator=g
-    )
+    sampling = Sampling(max_new_tokens=10, eos_id=2, pad_id=0, top_k=6, top_p=0.8)
+    r = RolloutEngine(tiny_qwen, sampling).generate(_prompts(), generator=g)
     ids, mask, pos = r.full_sequence()
     with torch.no_grad():
         logits = tiny_qwen(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits
@@ -252,9 +240,9 @@ def test_empirical_sampling_frequencies_match_the_distribution(temperature, top_
     logits = torch.tensor([2.0, 1.5, 0.5, 0.0, -0.5, -2.0])
     n = 60000
     g = torch.Generator().manual_seed(0)
-    tokens, logps = sample_tokens(
-        logits.expand(n, -1), temperature=temperature, top_k=top_k, top_p=top_p, generator=g
-    )
+    seeds = sample_seeds(draw_step_seed(g), torch.arange(n))  # one step seed, rows keyed by their index
+    positions = torch.zeros(n, dtype=torch.long)
+    tokens, logps = fused_sample(logits.expand(n, -1), seeds, positions, temperature, top_k, top_p)
     expected = filtered_logprobs(logits, temperature, top_k, top_p).exp()
     counts = torch.bincount(tokens, minlength=6).double()
     support = expected > 0
@@ -266,7 +254,9 @@ def test_empirical_sampling_frequencies_match_the_distribution(temperature, top_
 
 
 def test_greedy_decoding_has_zero_logprob(tiny_qwen):
-    r = generate(tiny_qwen, _prompts(), max_new_tokens=4, eos_id=2, pad_id=0, temperature=0.0)
+    r = RolloutEngine(tiny_qwen, Sampling(max_new_tokens=4, eos_id=2, pad_id=0, temperature=0.0)).generate(
+        _prompts()
+    )
     assert (r.logprobs == 0).all()
     with torch.no_grad():
         first = tiny_qwen(input_ids=torch.tensor([_prompts()[0]])).logits[0, -1].argmax()
@@ -316,7 +306,7 @@ def test_a_kv_cache_the_forward_ignored_is_an_error(tiny_qwen):
     """A forward handed the cache under a name it does not know leaves it empty: caught, never decoded."""
     from transformers import DynamicCache
 
-    from bitrl.rollout.engine import check_cache_filled, with_cache
+    from bitrl.rollout.decoder import check_cache_filled, with_cache
 
     ids = torch.tensor([[3, 4, 5]])
     ignored = DynamicCache(config=tiny_qwen.config)
@@ -333,7 +323,7 @@ def test_grouped_query_attention_keeps_the_fused_kernels(tiny_qwen, monkeypatch)
     no enable_gqa, whose pairing with a mask leaves CUDA only the math kernel, and a fused kernel chosen."""
     import torch.nn.functional as F
 
-    from bitrl.rollout import engine
+    from bitrl.rollout import decoder
 
     calls, sdpa = [], F.scaled_dot_product_attention
 
@@ -342,8 +332,10 @@ def test_grouped_query_attention_keeps_the_fused_kernels(tiny_qwen, monkeypatch)
         calls.append((q.shape, k.shape, attn_mask.shape, kw, choice))
         return sdpa(q, k, v, attn_mask=attn_mask, **kw)
 
-    monkeypatch.setattr(engine.F, "scaled_dot_product_attention", spy)
-    generate(tiny_qwen, _prompts(), max_new_tokens=3, eos_id=2, pad_id=0, generator=torch.Generator())
+    monkeypatch.setattr(decoder.F, "scaled_dot_product_attention", spy)
+    RolloutEngine(tiny_qwen, Sampling(max_new_tokens=3, eos_id=2, pad_id=0)).generate(
+        _prompts(), generator=torch.Generator()
+    )
     assert calls
     for q, k, mask, kw, choice in calls:
         assert "enable_gqa" not in kw and q[1] == k[1] == 2, (q, k)  # [rows, kv heads, 2 * steps, d]
@@ -359,7 +351,8 @@ def test_decoder_attention_runs_without_the_math_kernel_on_cuda(tiny_qwen):  # p
     model = tiny_qwen.cuda().to(torch.bfloat16)
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
     with sdpa_kernel(fused):  # the math kernel is not allowed: a fallback to it raises
-        r = generate(model, _prompts(), max_new_tokens=4, eos_id=2, pad_id=0, generator=torch.Generator())
+        engine = RolloutEngine(model, Sampling(max_new_tokens=4, eos_id=2, pad_id=0))
+        r = engine.generate(_prompts(), generator=torch.Generator())
     assert r.response_ids.shape[0] == len(_prompts())
 
 
@@ -373,13 +366,12 @@ def test_the_compiled_decode_step_runs_as_cuda_graphs(tiny_qwen):  # pragma: no 
     torch._dynamo.reset()
     counters.clear()
     model = tiny_qwen.cuda()
-    set_engine_options(model, max_batch_rows=8, compile=True)
-    try:
-        for rows in (3, 8, 5):
-            generate(model, _prompts()[:1] * rows, max_new_tokens=6, eos_id=2, pad_id=0)
-        assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-    finally:
-        set_engine_options(model)
+    engine = RolloutEngine(
+        model, Sampling(max_new_tokens=6, eos_id=2, pad_id=0), EngineOptions(max_batch_rows=8, compile=True)
+    )
+    for rows in (3, 8, 5):
+        engine.generate(_prompts()[:1] * rows)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
 @pytest.mark.gpu
@@ -394,8 +386,11 @@ def test_low_precision_rollouts_on_cuda(tiny_qwen, precision, kv):  # pragma: no
 
     policy = tiny_qwen.cuda().to(torch.bfloat16)
     copy = make_rollout_model(policy, precision)
-    set_engine_options(copy, kv_cache_dtype=kv, compile=True)
-    r = generate(copy, _prompts() * 4, max_new_tokens=8, eos_id=2, pad_id=0, generator=torch.Generator())
+    sampling, options = (
+        Sampling(max_new_tokens=8, eos_id=2, pad_id=0),
+        EngineOptions(kv_cache_dtype=kv, compile=True),
+    )
+    r = RolloutEngine(copy, sampling, options).generate(_prompts() * 4, generator=torch.Generator())
     m = r.response_mask
     assert m.any() and torch.isfinite(r.logprobs[m]).all()
     with torch.no_grad():

@@ -31,18 +31,14 @@ def test_other_advantages():
 def test_trainer_step_moves_probability_toward_positive_advantages(tiny_qwen, autocast):
     """One PolicyTrainer update raises the log-likelihood of rewarded responses relative to the others."""
     from bitrl.engine.config import TrainConfig
-    from bitrl.rollout.engine import generate
+    from bitrl.rollout.generation import RolloutEngine
+    from bitrl.rollout.settings import Sampling
     from bitrl.train.logprobs import token_logprobs
     from bitrl.train.trainer import PolicyTrainer
 
     cfg = TrainConfig(**TRAIN_CFG | {"minibatches": 2, "autocast": autocast})
-    rollout = generate(
-        tiny_qwen,
-        [[1, 5, 6]] * 8,
-        max_new_tokens=5,
-        eos_id=2,
-        pad_id=0,
-        generator=torch.Generator().manual_seed(0),
+    rollout = RolloutEngine(tiny_qwen, Sampling(max_new_tokens=5, eos_id=2, pad_id=0)).generate(
+        [[1, 5, 6]] * 8, generator=torch.Generator().manual_seed(0)
     )
     advantages = torch.tensor([1.0, -1.0] * 4)
     trainer = PolicyTrainer(tiny_qwen, cfg)

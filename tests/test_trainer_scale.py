@@ -7,10 +7,13 @@ import torch
 from conftest import TINY_QWEN, assert_same_adam_update, count_host_syncs, fp32_sum_bound, make_qwen
 
 from bitrl.engine.config import load_config
-from bitrl.rollout.engine import Rollout, generate
+from bitrl.rollout.batch import Rollout
+from bitrl.rollout.generation import RolloutEngine
+from bitrl.rollout.lora_merge import lora_layers
 from bitrl.rollout.precision import make_rollout_model, sync_rollout_model_
+from bitrl.rollout.settings import Sampling
 from bitrl.train.logprobs import token_logprobs
-from bitrl.train.lora import apply_lora, lora_layers
+from bitrl.train.lora import apply_lora
 from bitrl.train.trainer import PolicyTrainer, micro_batches
 
 
@@ -36,7 +39,9 @@ def sample(model, seed=0, rows=8) -> Rollout:
     trainer's (so that rollout corrections have something to correct)."""
     prompts = [[1, 5, 6], [1, 7], [1, 8, 9, 10], [1, 11, 12]] * (rows // 4)
     gen = torch.Generator().manual_seed(seed)
-    rollout = generate(model, prompts, max_new_tokens=6, eos_id=2, pad_id=0, generator=gen)
+    rollout = RolloutEngine(model, Sampling(max_new_tokens=6, eos_id=2, pad_id=0)).generate(
+        prompts, generator=gen
+    )
     noise = 0.3 * torch.randn(rollout.logprobs.shape, generator=gen)
     rollout.logprobs = (rollout.logprobs + noise) * rollout.response_mask
     assert rollout.response_mask.sum(-1).unique().numel() > 1  # lengths really vary

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from bitrl.kernels import fused_logprobs
-from bitrl.rollout.engine import Rollout
+from bitrl.rollout.batch import Rollout
 
 
 def response_hidden_states(model, rollout: Rollout) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""LoRA adapters on the policy (through peft), the QeRL-style quantized frozen base, and merged weights.
+"""LoRA adapters on the policy (through peft) and the QeRL-style quantized frozen base (their merged weights:
+bitrl.rollout.lora_merge).
 
 The adapters are injected in place (`peft.inject_adapter_in_model`), so the policy stays the same Hugging Face
 model object: `policy.base_model`, `policy.get_output_embeddings()` and the fused loss work unchanged. Each
@@ -12,20 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bitrl.rollout.lora_merge import lora_layers
+
 # model.lora.base_precision -> bitrl.quant format
 BASE_FORMATS = {"fp8": "fp8_e4m3", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
-ADAPTER = "default"
-
-
-def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """name -> peft LoraLayer of every adapted module of `model` (empty without LoRA)."""
-    from peft.tuners.lora import LoraLayer
-
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
-
-
-def has_lora(model: nn.Module) -> bool:
-    return bool(lora_layers(model))
 
 
 def apply_lora(policy: nn.Module, cfg) -> nn.Module:
@@ -67,36 +58,3 @@ def quantize_lora_base_(policy: nn.Module, fmt: str) -> None:
         if not isinstance(base, nn.Linear):
             raise ValueError(f"model.lora.base_precision: cannot quantize a {type(base).__name__} base layer")
         layer.base_layer = QuantLinear.from_linear(base, fmt, act=None)
-
-
-def base_weight(layer: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The frozen base weight [out, in] of a LoraLayer (dequantized if quantized), in `dtype`."""
-    from bitrl.quant import QuantLinear
-
-    base = layer.base_layer
-    if isinstance(base, QuantLinear):
-        return base.qweight.dequantize(dtype or base.compute_dtype)
-    return base.weight.detach() if dtype is None else base.weight.detach().to(dtype)
-
-
-def merged_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """W + (alpha / r) B A of a LoraLayer, computed in fp32 and returned in `dtype`: [out, in]."""
-    delta = layer.get_delta_weight(ADAPTER).float()
-    return (base_weight(layer, torch.float32) + delta).to(dtype)
-
-
-@torch.no_grad()
-def merge_lora(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Replace, in place, every LoraLayer of `model` by a plain nn.Linear holding the merged weight in `dtype`
-    (a quantized base is dequantized first). Returns `model`, now a plain Hugging Face model."""
-    for name, layer in lora_layers(model).items():
-        base = layer.base_layer
-        linear = nn.Linear(
-            layer.in_features, layer.out_features, bias=base.bias is not None, dtype=dtype, device="meta"
-        )
-        linear.weight = nn.Parameter(merged_weight(layer, dtype), requires_grad=False)
-        if base.bias is not None:
-            linear.bias = nn.Parameter(base.bias.detach().to(dtype), requires_grad=False)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
-    return model

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bitrl.rollout.engine import compiled_width
+from bitrl.rollout.decode_loop import compiled_width
 
 GiB = 1024**3
 REFUSE_FRACTION = 0.95

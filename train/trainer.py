@@ -16,7 +16,7 @@ import torch
 
 from bitrl.kernels import fused_linear_policy_loss
 from bitrl.kernels.policy_loss import LossConfig, ais_coefficients, ais_moments, get_correction
-from bitrl.rollout.engine import Rollout
+from bitrl.rollout.batch import Rollout
 from bitrl.train.distributed import (
     call_as_forward,
     full_tensor,

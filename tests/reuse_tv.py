@@ -12,6 +12,8 @@ where q is the old policy, a(v) = min(1, l p(v) / q(v)), and r_v is what the mod
 p for "spec-rl", the residual of `residual_logprobs` for "exact" (which depends on the rejected token v when
 only the top-k of q is known). `total_variation(P_reuse, P_new)` is the bias; `empirical_distribution`
 counts what the engine actually returns, to check the engine against the formula.
+
+Shared by tests/test_reuse.py and benchmarks/bench_reuse_tv.py; not part of the shipped package.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from collections import Counter
 
 import torch
 
+from bitrl.rollout.generation import RolloutEngine
 from bitrl.rollout.reuse import generate_with_drafts, residual_logprobs
-from bitrl.rollout.sampling import filtered_logprobs
+from bitrl.rollout.settings import Sampling, filtered_logprobs
 
 
 def enumerable_model(vocab_size: int = 5, eos_id: int = 2, seed: int = 0, scale: float = 0.5):
@@ -177,23 +180,18 @@ def engine_reuse_distribution(
     """The empirical distribution of n responses from the engine: drafts sampled from old_model (fresh), then
     verified and resumed by new_model."""
     prompts = [list(prompt)] * n
+    sampling = Sampling(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id)
     _, _, drafts = generate_with_drafts(
-        old_model,
+        RolloutEngine(old_model, sampling),
         prompts,
         [None] * n,
-        max_new_tokens=max_new_tokens,
-        eos_id=eos_id,
-        pad_id=pad_id,
         keep_topk=old_topk,
         generator=torch.Generator().manual_seed(seed),
     )
     rollout, _, _ = generate_with_drafts(
-        new_model,
+        RolloutEngine(new_model, sampling),
         prompts,
         drafts,
-        max_new_tokens=max_new_tokens,
-        eos_id=eos_id,
-        pad_id=pad_id,
         lenience=lenience,
         mode=mode,
         generator=torch.Generator().manual_seed(seed + 1),
