@@ -129,11 +129,10 @@ if HAS_TRITON:
         IEEE: tl.constexpr,
     ):
         # program (m, k): rows [m * BLOCK_M, +BLOCK_M) of Hadamard block k
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # offsets past 2^31 elements
         cols = tl.program_id(1) * B + tl.arange(0, B)
-        rows64 = rows.to(tl.int64)  # row offsets past 2^31 elements
         in_rows = rows[:, None] < M
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=in_rows, other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=in_rows, other=0.0)
         x = x.to(tl.float32)
         s = tl.load(s_ptr + cols)
         if SIGN_FIRST:
@@ -153,7 +152,7 @@ if HAS_TRITON:
         y = y * inv_sqrt_b
         if not SIGN_FIRST:
             y = y * s[None, :]
-        out = y_ptr + rows64[:, None] * stride_ym + cols[None, :]
+        out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
         tl.store(out, y.to(y_ptr.dtype.element_ty), mask=in_rows)
 
 
@@ -164,7 +163,9 @@ def _block_hadamard_triton(x, signs, block, transpose):
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     m = x2.shape[0]
-    block_m = 32 if block == 128 else 64
+    # rows per program: a [block_m, b] tile and the [b, b] H in registers. At b = 128, fp32 (ieee: FMA, not
+    # tensor cores) spills to the stack with 32 rows and 4 or 8 warps; 16 rows and 8 warps do not (sm_90/100)
+    block_m, warps = ((16 if x.dtype == torch.float32 else 32), 8) if block == 128 else (64, 4)
     grid = (triton.cdiv(m, block_m), shape[-1] // block)
     _block_hadamard_kernel[grid](
         x2,
@@ -178,5 +179,6 @@ def _block_hadamard_triton(x, signs, block, transpose):
         B=block,
         SIGN_FIRST=not transpose,
         IEEE=x.dtype == torch.float32,  # tf32 would round x to 10 mantissa bits
+        num_warps=warps,
     )
     return y.reshape(shape)

@@ -125,13 +125,14 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _policy_cases():
-    from bitrl.kernels.policy_loss import _TRITON_KL, _TRITON_LOSSES, policy_loss
+    from bitrl.kernels import LossConfig, policy_loss
+    from bitrl.kernels.policy_loss.triton import TRITON_KL, triton_losses
 
     B, T = 3, 7
     for dtype, loss, kl, corr, ent, dual, delta in itertools.product(
         DTYPES,
-        _TRITON_LOSSES,
-        (None, *_TRITON_KL),
+        triton_losses(),
+        (None, *TRITON_KL),
         (False, True),
         (False, True),
         (False, True),
@@ -141,21 +142,29 @@ def _policy_cases():
             continue  # only the clip loss reads them; other losses ignore the options
         g = torch.Generator().manual_seed(0)
         lp = (-torch.rand(B, T, generator=g)).to(dtype).requires_grad_(True)
-        kw = dict(
-            loss_type=loss, impl="triton", clip_ratio_c=3.0 if dual else None, delta=4.0 if delta else None
-        )
+        options = dict(loss_type=loss, clip_ratio_c=3.0 if dual else None, delta=4.0 if delta else None)
+        tensors = {}
         if kl:
-            kw.update(ref_logprobs=lp.detach() - 0.1, kl_type=kl, kl_coef=0.1)
+            options.update(kl_type=kl, kl_coef=0.1)
+            tensors.update(ref_logprobs=lp.detach() - 0.1)
         if corr:
-            kw.update(rollout_logprobs=lp.detach().float() - 0.05, correction="tis-token")
+            options.update(correction="tis-token")
+            tensors.update(rollout_logprobs=lp.detach().float() - 0.05)
         if ent:
-            kw.update(entropy=torch.rand(B, T, generator=g).to(dtype), entropy_coef=0.01)
+            options.update(entropy_coef=0.01)
+            tensors.update(entropy=torch.rand(B, T, generator=g).to(dtype))
+        cfg = LossConfig(**options)
         name = f"policy_loss {loss} kl={kl} corr={corr} ent={ent} dual={dual} delta={delta} {dtype}"
-        yield name, lambda lp=lp, kw=kw: policy_loss(lp, lp.detach() - 0.01, torch.randn(B), None, **kw)
+        yield (
+            name,
+            lambda lp=lp, cfg=cfg, kw=tensors: policy_loss(
+                lp, lp.detach() - 0.01, torch.randn(B), None, cfg, impl="triton", **kw
+            ),
+        )
 
 
 def _logprob_cases():
-    from bitrl.kernels.fused_linear_policy_loss import fused_linear_policy_loss
+    from bitrl.kernels import fused_linear_policy_loss
     from bitrl.kernels.fused_logprobs import fused_logprobs
     from bitrl.kernels.fused_logprobs.triton_rows import BLOCK_V_MAX, BLOCK_V_MIN
 
@@ -248,8 +257,20 @@ def _sampling_cases():
         )
 
 
+def _hadamard_cases():
+    from bitrl.kernels.hadamard import TRITON_BLOCKS, block_hadamard, random_signs
+
+    for dtype, block, transpose in itertools.product(DTYPES, TRITON_BLOCKS, (False, True)):
+        args = (torch.randn(3, 2 * block).to(dtype), random_signs(2 * block, 0), block, transpose)
+        yield (
+            f"block_hadamard b={block} transpose={transpose} {dtype}",
+            lambda a=args: block_hadamard(*a, impl="triton"),
+        )
+
+
 def dispatch_cases():
     """(name, callable) for every option combination of the Triton-dispatching public ops."""
+    yield from _hadamard_cases()
     yield from _sampling_cases()
     yield from _policy_cases()
     yield from _logprob_cases()
@@ -270,7 +291,7 @@ def collect_launches(failures: list | None = None) -> list[Launch]:
 
     for info in pkgutil.iter_modules(bitrl.kernels.__path__):  # decorate every kernel before the recorder
         importlib.import_module(f"bitrl.kernels.{info.name}")
-    pl = importlib.import_module("bitrl.kernels.policy_loss")
+    pl = importlib.import_module("bitrl.kernels.policy_loss.triton")
 
     if not isinstance(pl._policy_loss_kernel, JITFunction):
         raise RuntimeError("collect_launches needs compiled kernels: import bitrl without TRITON_INTERPRET=1")

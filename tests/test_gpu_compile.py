@@ -123,11 +123,11 @@ def test_every_input_dtype_and_branch_is_compiled(table):
         assert any(f"[{ptr}," in s for s in sigs(kernel)), (kernel, ptr)
     # the backward of the log-prob rows writes d logits in the matmul dtype (bf16 / fp16 on a GPU)
     assert any(",*bf16," in s for s in sigs("_logprob_rows_bwd_kernel"))
-    from bitrl.kernels.policy_loss import _TRITON_KL, _TRITON_LOSSES
+    from bitrl.kernels.policy_loss.triton import TRITON_KL, triton_losses
 
     labels = sigs("_policy_loss_kernel")
-    for loss in _TRITON_LOSSES.values():
-        for kl in (0, *_TRITON_KL.values()):
+    for loss in triton_losses().values():
+        for kl in (0, *TRITON_KL.values()):
             assert any(f"LOSS={loss},KL={kl}," in s for s in labels), (loss, kl)
     from bitrl.kernels.fused_logprobs.triton_rows import BLOCK_V_MAX, BLOCK_V_MIN
 
