@@ -41,7 +41,7 @@ def run_one(
         None,
         [
             f"name={precision}-{correction}-s{seed}",
-            *([f"rollout.mx_scale_mode={scale_mode}"] if scale_mode else []),
+            *([f"rollout.scale_mode={scale_mode}"] if scale_mode else []),
             f"out_dir={out}",
             f"seed={seed}",
             f"steps={steps}",

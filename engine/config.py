@@ -145,9 +145,20 @@ class RolloutConfig(Section):
     # Activations of quantized rollouts: "auto" (fp8 -> W8A8 per-token, 4-bit -> weights only), None,
     # "fp8", or "mxfp4"/"nvfp4"/"mxfp8" (simulated W4A4). See bitrl.quant.QuantLinear.
     act_quant: Literal["auto", "fp8", "mxfp8", "mxfp4", "nvfp4"] | None = "auto"
-    # E8M0 block scales of mxfp8/mxfp4 weights: "rceil" (nothing saturates) or "floor" (OCP; block maxima
-    # saturate). rceil more than halves the demo's MXFP4 rollout mismatch (k3 0.021 -> 0.009 per token).
-    mx_scale_mode: Literal["floor", "rceil"] = "rceil"
+    # The 4-bit (and MX) recipe, re-applied at every weight sync (bitrl.quant.recipe; measured on SmolLM2 in
+    # docs/low_precision.md). Block scales: "floor" (amax; OCP floor for MX, whose maxima saturate), "rceil"
+    # (MX: nothing saturates; halves the demo's MXFP4 mismatch against floor), "mse" (each block's scale
+    # chosen by squared error; free at run time); "auto" is mse for mx/nvfp formats.
+    scale_mode: Literal["auto", "floor", "rceil", "mse"] = "auto"
+    # Outlier fallback: weights above this many block medians stay in bf16 beside the packed ones (None: off;
+    # "auto": 8 for mxfp4, where 0.05% of the weights cut the mismatch 3x, off for the others).
+    outlier_tau: float | Literal["auto"] | None = "auto"
+    # Hadamard rotation before quantizing: "residual" (folded into the weights, the MLP input online),
+    # "inputs" (every linear's input online), "none". On SmolLM2 weight-only it raises the mismatch.
+    rotation: Literal["none", "residual", "inputs"] = "none"
+    rotation_block: int = Field(32, ge=2)
+    # Keep the N linears most sensitive to the format in fp8 (ranked once per model: bitrl.quant.sensitivity).
+    fp8_layers: int = Field(0, ge=0)
     # Adaptive quantization noise: K stages over the run (sigma 0, then 1e-2 -> 1e-4); 0 disables it.
     aqn_stages: int = Field(0, ge=0)
     prompts_per_step: int = Field(32, ge=1)
@@ -166,11 +177,37 @@ class RolloutConfig(Section):
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     compile: Literal["auto", True, False] = "auto"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data):
+        if isinstance(data, dict) and "mx_scale_mode" in data:
+            raise ValueError("rollout.mx_scale_mode was renamed rollout.scale_mode")
+        return data
+
     @model_validator(mode="after")
     def _aqn(self):
         if self.aqn_stages == 1:
             raise ValueError("rollout.aqn_stages must be 0 (off) or >= 2 (the first stage has no noise)")
+        if isinstance(self.outlier_tau, float) and not self.outlier_tau > 0:
+            raise ValueError(f"rollout.outlier_tau must be > 0, 'auto' or null, got {self.outlier_tau}")
+        if self.rotation_block & (self.rotation_block - 1):
+            raise ValueError(f"rollout.rotation_block must be a power of two, got {self.rotation_block}")
         return self
+
+    def quant_recipe(self, fmt: str, fp8_layers: tuple[str, ...] = ()):
+        """The bitrl.quant.QuantRecipe of a rollout copy in weight format `fmt`, every "auto" resolved."""
+        from bitrl.quant.recipe import recipe_for
+        from bitrl.quant.rotation import Rotation
+
+        rotation = None if self.rotation == "none" else Rotation(self.rotation, self.rotation_block)
+        return recipe_for(
+            fmt,
+            act=self.act_quant,
+            scale_mode=self.scale_mode,
+            outlier_tau=self.outlier_tau,
+            rotation=rotation,
+            fp8_layers=fp8_layers,
+        )
 
 
 def _loss_fields() -> dict:

@@ -3,6 +3,7 @@ checkpoints. Read `run` top to bottom for one whole training run."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -25,7 +26,7 @@ from bitrl.engine.tasks import REWARDS, ArithmeticTask, CharTokenizer, InputErro
 from bitrl.engine.warmstart import warm_start
 from bitrl.quant import AQN, AQNSchedule
 from bitrl.rollout.generation import RolloutEngine
-from bitrl.rollout.precision import make_rollout_model, sync_rollout_model_
+from bitrl.rollout.precision import QUANT_FORMATS, make_rollout_model, sync_rollout_model_
 from bitrl.rollout.reuse import SpeculativeReuse, draw_prompt_pool, fixed_prompt_batch
 from bitrl.rollout.settings import EngineOptions, Sampling
 from bitrl.train.advantages import compute_advantages
@@ -137,6 +138,38 @@ def rollout_precision(cfg: Config) -> str:
     return {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.model.dtype, "full")
 
 
+def sensitive_layers(policy, tokenizer, fmt: str, cfg: Config, log=print) -> tuple[str, ...]:
+    """The rollout.fp8_layers linears most sensitive to `fmt`, ranked once per model on calibration text
+    (bitrl.quant.sensitivity); the ranking is cached beside the warm starts."""
+    count = cfg.rollout.fp8_layers
+    if not count:
+        return ()
+    if cfg.model.lora.rank:
+        raise ValueError("rollout.fp8_layers: not with LoRA (the ranking reads the policy's plain linears)")
+    from bitrl.kernels._common import cache_root
+    from bitrl.quant.sensitivity import calibration_ids, layer_sensitivity, most_sensitive
+
+    recipe = cfg.rollout.quant_recipe(fmt)
+    weights = [float(p.detach().double().sum()) for p in policy.parameters()]  # the warm-started policy
+    key = json.dumps([weights, fmt, recipe.quant_kwargs()], sort_keys=True).encode()
+    path = cache_root() / "sensitivity" / f"{hashlib.sha256(key).hexdigest()[:16]}.json"
+    if path.exists():
+        ranking = [tuple(row) for row in json.loads(path.read_text())]
+    else:
+        t0 = time.perf_counter()
+        text = None if isinstance(tokenizer, CharTokenizer) else tokenizer  # the demo's: digits only
+        ids = calibration_ids(text, policy.config.vocab_size, cfg.seed)
+        device = next(policy.parameters()).device
+        ranking = layer_sensitivity(policy, fmt, [x.to(device) for x in ids], **recipe.quant_kwargs())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(ranking))
+        seconds = time.perf_counter() - t0
+        log(f"rollout.fp8_layers: ranked {len(ranking)} linears by {fmt} sensitivity in {seconds:.0f} s")
+    names = most_sensitive(ranking, count)
+    log(f"rollout.fp8_layers: {len(names)} linears kept in fp8, from {names[0]}")
+    return names
+
+
 def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> list[dict]:
     """Train as `cfg` says; with `resume`, continue from cfg.run_dir's checkpoint. Returns the metrics.
 
@@ -170,7 +203,13 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     # The rollout copy in its own precision (bf16, fp8, mxfp4, ...), synced after every update. Made before
     # the trainer, which shards the policy when data-parallel: every rank keeps a whole rollout copy.
     precision = rollout_precision(cfg)
-    rollout_model = make_rollout_model(policy, precision, cfg.rollout.act_quant, cfg.rollout.mx_scale_mode)
+    recipe = None
+    if precision in QUANT_FORMATS:
+        if ctx.enabled and cfg.rollout.rotation != "none":
+            raise ValueError("rollout.rotation: not with data-parallel runs (their sync does not rotate)")
+        fmt = QUANT_FORMATS[precision]
+        recipe = cfg.rollout.quant_recipe(fmt, sensitive_layers(policy, tokenizer, fmt, cfg, log))
+    rollout_model = make_rollout_model(policy, precision, recipe)
     options = EngineOptions.from_config(cfg.rollout)  # cache dtype, batch rows, compiled step
     sampling = Sampling(
         max_new_tokens=cfg.rollout.max_new_tokens,

@@ -21,6 +21,7 @@ from bitrl.train.mismatch import mismatch_diagnostics
 
 USAGE_EXAMPLES = """examples:
   bitrl mismatch --demo --rollout-precision mxfp4
+  bitrl mismatch --demo --rollout-precision nvfp4 rollout.scale_mode=floor rollout.fp8_layers=4
   bitrl mismatch --model DIR --rollout-precision fp8 --prompts prompts.jsonl
   bitrl mismatch --model DIR --external vllm_logprobs.jsonl
 external file: one JSON object per line, {"prompt_ids": [int], "response_ids": [int], "logprobs": [float]},
@@ -176,10 +177,10 @@ def main(argv: list[str]) -> int:
         "--rollout-precision", default="bf16", help="full|fp32|bf16|fp16|fp8|mxfp8|mxfp4|nvfp4"
     )
     parser.add_argument(
-        "--mx-scale-mode",
-        default="rceil",
-        choices=["rceil", "floor"],
-        help="E8M0 block scales of mxfp8/mxfp4",
+        "overrides",
+        nargs="*",
+        metavar="rollout.KEY=VALUE",
+        help="the rollout copy's recipe, as in bitrl train (scale_mode, outlier_tau, rotation, fp8_layers)",
     )
     parser.add_argument("--prompts", metavar="FILE", help="JSONL {'prompt': ...} or one prompt per line")
     parser.add_argument(
@@ -206,20 +207,36 @@ def main(argv: list[str]) -> int:
         return 2
 
 
+def recipe_label(recipe) -> str:
+    """e.g. "mse scales, outliers > 8 medians in bf16, 4 layers fp8"."""
+    parts = [f"{recipe.scale_mode} scales"]
+    if recipe.outlier_tau is not None:
+        parts.append(f"outliers > {recipe.outlier_tau:g} medians in bf16")
+    if recipe.rotation is not None:
+        parts.append(f"{recipe.rotation.mode} rotation b{recipe.rotation.block}")
+    if recipe.fp8_layers:
+        parts.append(f"{len(recipe.fp8_layers)} layers fp8")
+    return ", ".join(parts)
+
+
 def run(args) -> int:
     from bitrl.engine.config import TaskConfig, load_config
     from bitrl.engine.evaluate import encode_prompts
-    from bitrl.engine.loop import build
+    from bitrl.engine.loop import build, sensitive_layers
     from bitrl.engine.models import load_pretrained
     from bitrl.engine.tasks import Problem
     from bitrl.engine.warmstart import warm_start
     from bitrl.rollout.generation import RolloutEngine
-    from bitrl.rollout.precision import PRECISIONS, make_rollout_model
+    from bitrl.rollout.precision import PRECISIONS, QUANT_FORMATS, make_rollout_model
     from bitrl.rollout.settings import Sampling
     from bitrl.train.logprobs import token_logprobs
 
     if args.rollout_precision not in PRECISIONS:
         raise ValueError(f"--rollout-precision must be one of {PRECISIONS}, got {args.rollout_precision!r}")
+    outside = [o for o in args.overrides if not o.startswith("rollout.")]
+    if outside:
+        raise ValueError(f"{outside[0]}: bitrl mismatch takes rollout.KEY=VALUE settings only")
+    recipe_cfg = load_config(None, [f"seed={args.seed}", *args.overrides])
     torch.manual_seed(args.seed)
     if args.demo:
         cfg = load_config(None, [f"seed={args.seed}", f"model.dtype={args.trainer_dtype}"])
@@ -243,7 +260,14 @@ def run(args) -> int:
     else:
         if not prompts:
             raise ValueError("--model needs --prompts FILE (or --external FILE)")
-        rollout_model = make_rollout_model(policy, args.rollout_precision, mx_scale_mode=args.mx_scale_mode)
+        recipe = None
+        if args.rollout_precision in QUANT_FORMATS:
+            fmt = QUANT_FORMATS[args.rollout_precision]
+            log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+            recipe = recipe_cfg.rollout.quant_recipe(
+                fmt, sensitive_layers(policy, tokenizer, fmt, recipe_cfg, log)
+            )
+        rollout_model = make_rollout_model(policy, args.rollout_precision, recipe)
         chat = TaskConfig(chat_template=args.chat_template, system_prompt=args.system_prompt)
         prompt_ids = encode_prompts(tokenizer, [Problem(str(i), p, "") for i, p in enumerate(prompts)], chat)
         sampling = Sampling(
@@ -258,7 +282,7 @@ def run(args) -> int:
             [ids for ids in prompt_ids for _ in range(args.samples_per_prompt)],
             generator=torch.Generator().manual_seed(args.seed),
         )
-        scales = f" ({args.mx_scale_mode} scales)" if args.rollout_precision.startswith("mx") else ""
+        scales = f" ({recipe_label(recipe)})" if recipe is not None else ""
         label = f"rollout {args.rollout_precision}{scales} vs trainer {args.trainer_dtype}"
     with torch.no_grad():
         train_lp, _ = token_logprobs(policy, rollout, args.temperature, with_entropy=False)

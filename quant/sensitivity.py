@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear import _skipped
-from .quantize import fake_quantize
+from .linear import QuantLinear, _skipped
 
 __all__ = ["calibration_ids", "layer_sensitivity", "most_sensitive"]
 
@@ -54,8 +53,9 @@ def layer_sensitivity(
     skip=("lm_head", "embed_tokens"),
     **quant_kwargs,
 ) -> list[tuple[str, float]]:
-    """(layer name, mean per-token KL) for every linear of ``model`` quantized alone to ``fmt`` (weights
-    fake-quantized, activations not), most sensitive first. ``model`` is restored before returning."""
+    """(layer name, mean per-token KL) for every linear of ``model`` quantized alone to ``fmt`` (its weights
+    as a QuantLinear with ``quant_kwargs`` holds them, activations not), most sensitive first. ``model`` is
+    restored before returning."""
     model.eval()
     reference = [torch.log_softmax(model(x).logits.float(), -1) for x in ids]
     ranking = []
@@ -63,7 +63,8 @@ def layer_sensitivity(
         if not isinstance(module, nn.Linear) or _skipped(name, skip):
             continue
         original = module.weight.detach().clone()
-        module.weight.copy_(fake_quantize(original, fmt, **quant_kwargs))
+        quantized = QuantLinear.from_linear(module, fmt, act=None, **quant_kwargs)
+        module.weight.copy_(quantized.dequantized_weight(original.dtype))
         try:
             ranking.append((name, _mean_kl(model, ids, reference)))
         finally:

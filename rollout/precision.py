@@ -24,16 +24,12 @@ QUANT_FORMATS = {"fp8": "fp8_e4m3", "mxfp8": "mxfp8", "mxfp4": "mxfp4", "nvfp4":
 PRECISIONS = ("full", *FLOAT_PRECISIONS, *QUANT_FORMATS)
 
 
-def make_rollout_model(
-    policy: torch.nn.Module, precision: str = "full", act: str | None = "auto", mx_scale_mode: str = "rceil"
-):
+def make_rollout_model(policy: torch.nn.Module, precision: str = "full", recipe=None):
     """A copy of `policy` for generation. precision: "full" (the policy's own dtype) or a name in PRECISIONS.
 
-    act: activation quantization for quantized precisions ("auto": W8A8 for fp8, weights only for 4-bit;
-    None: weights only; see bitrl.quant.QuantLinear). mx_scale_mode: the E8M0 block scale of mxfp8/mxfp4
-    weights, "rceil" (amax / element max rounded up to a power of two: nothing saturates) or "floor" (OCP:
-    the largest elements of a block saturate at the element max; for FP4 that costs up to a quarter of their
-    value, and the largest weights are the ones that matter most).
+    recipe: for quantized precisions, the bitrl.quant.QuantRecipe of the copy (scales, outlier fallback,
+    rotation, layers kept in fp8; its format must be the precision's); None: `default_recipe(precision)`,
+    the defaults of `rollout.*` (RolloutConfig.quant_recipe).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"rollout.precision must be one of {PRECISIONS}, got {precision!r}")
@@ -51,17 +47,21 @@ def make_rollout_model(
         for p in model.parameters():
             p.requires_grad_(False)
         return model
+    if layers and recipe is not None and recipe.rotation is not None:
+        raise ValueError("rollout.rotation: not with LoRA adapters (their sync merges unrotated weights)")
     model = copy.deepcopy(policy).eval()
     if layers:
         merge_lora(model, next(iter(layers.values())).base_layer.weight.dtype)
     if precision in FLOAT_PRECISIONS:
         model.to(FLOAT_PRECISIONS[precision])
     elif precision in QUANT_FORMATS:
-        from bitrl.quant import quantize_model
+        from bitrl.quant.recipe import quantize_with_recipe_
 
-        fmt = QUANT_FORMATS[precision]
-        scale = {"scale_mode": mx_scale_mode} if fmt.startswith("mx") else {}
-        model = quantize_model(model, fmt, act=act, source=policy, **scale)
+        recipe = recipe or default_recipe(precision)
+        if recipe.fmt != QUANT_FORMATS[precision]:
+            raise ValueError(f"recipe: format {recipe.fmt} is not rollout.precision={precision}")
+        model = quantize_with_recipe_(model, recipe, source=policy)
+        model._bitrl_recipe = recipe
     for p in model.parameters():
         p.requires_grad_(False)
     return model
@@ -76,11 +76,18 @@ def sync_rollout_model_(
     if layers:
         return _sync_lora_(rollout_model, policy, layers)
     if precision in QUANT_FORMATS:
-        from bitrl.quant import requantize_
+        from bitrl.quant.recipe import sync_quantized_copy_
 
-        return requantize_(rollout_model, policy)
+        return sync_quantized_copy_(rollout_model, policy, rollout_model._bitrl_recipe)
     rollout_model.load_state_dict(policy.state_dict())
     return {}
+
+
+def default_recipe(precision: str):
+    """The recipe `rollout.*` gives `precision` by default (bitrl.quant.recipe.recipe_for)."""
+    from bitrl.quant.recipe import recipe_for
+
+    return recipe_for(QUANT_FORMATS[precision])
 
 
 def shared_base_modules(layers: dict) -> dict:

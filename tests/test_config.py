@@ -137,3 +137,29 @@ def test_auto_settings_resolve_in_one_place():
         load_config(None, ["train.fsdp_mixed_precision=bf16"]).train.resolved_fsdp_mixed_precision("cpu")
         == "bf16"
     )
+
+
+def test_the_rollout_recipe_resolves_its_autos_per_format():
+    rollout = load_config(None, []).rollout
+    mx, nv, fp8 = (rollout.quant_recipe(f) for f in ("mxfp4", "nvfp4", "fp8_e4m3"))
+    assert (mx.scale_mode, mx.outlier_tau, mx.rotation, mx.fp8_layers) == ("mse", 8.0, None, ())
+    assert (nv.scale_mode, nv.outlier_tau) == ("mse", None)
+    assert (fp8.scale_mode, fp8.outlier_tau, fp8.quant_kwargs()) == ("floor", None, {})
+    custom = load_config(
+        None, ["rollout.scale_mode=rceil", "rollout.outlier_tau=4", "rollout.rotation=inputs"]
+    ).rollout.quant_recipe("mxfp4", ("model.layers.0.mlp.down_proj",))
+    assert custom.quant_kwargs() == {"scale_mode": "rceil", "outlier_tau": 4.0}
+    assert (custom.rotation.mode, custom.rotation.block, custom.fp8_layers[0]) == (
+        "inputs",
+        32,
+        "model.layers.0.mlp.down_proj",
+    )
+    with pytest.raises(ValueError, match="does not apply to nvfp4"):
+        load_config(None, ["rollout.scale_mode=rceil"]).rollout.quant_recipe("nvfp4")
+    for bad, field in (
+        ("rollout.mx_scale_mode=floor", "renamed rollout.scale_mode"),
+        ("rollout.outlier_tau=0", "outlier_tau"),
+        ("rollout.rotation_block=24", "power of two"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            load_config(None, [bad])

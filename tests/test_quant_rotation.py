@@ -233,3 +233,44 @@ def test_outlier_fallback_lowers_the_error_of_a_block_with_one_large_weight():
     assert err[8.0] < 0.25 * err[None]
     with pytest.raises(ValueError, match="outlier_tau"):
         QuantLinear(64, 16, fmt="mxfp4", outlier_tau=0.0)
+
+
+# ------------------------------------------------------------------------------------ the recipe in a rollout
+
+
+def test_a_recipe_builds_and_syncs_a_rollout_copy_with_its_fp8_layers_and_rotation():
+    from bitrl.quant.recipe import recipe_for
+    from bitrl.rollout.precision import make_rollout_model, sync_rollout_model_
+
+    policy = tiny_model("llama")
+    keep = ("model.layers.1.mlp.down_proj",)
+    recipe = recipe_for("nvfp4", outlier_tau=6.0, rotation=Rotation("residual", 32), fp8_layers=keep)
+    rollout = make_rollout_model(policy, "nvfp4", recipe)
+    formats = {n: m.fmt for n, m in rollout.named_modules() if isinstance(m, QuantLinear)}
+    assert formats.pop("model.layers.1.mlp.down_proj.inner") == "fp8_e4m3"
+    assert set(formats.values()) == {"nvfp4"} and len(formats) == 13
+    assert all(
+        m.outlier_tau == 6.0 for m in rollout.modules() if isinstance(m, QuantLinear) and m.fmt == "nvfp4"
+    )
+    ids = torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        sync_rollout_model_(rollout, policy, "nvfp4")
+        fresh = make_rollout_model(policy, "nvfp4", recipe)
+        assert torch.equal(rollout(ids).logits, fresh(ids).logits)
+    with pytest.raises(ValueError, match="no module"):
+        make_rollout_model(policy, "nvfp4", recipe_for("nvfp4", fp8_layers=("model.layers.9.mlp",)))
+    with pytest.raises(ValueError, match="format"):
+        make_rollout_model(policy, "mxfp4", recipe)
+
+
+def test_bitrl_mismatch_takes_the_rollout_recipe_as_overrides(tmp_path):
+    import json
+
+    from bitrl.engine.mismatch_cmd import main
+
+    args = ["--demo", "--rollout-precision", "nvfp4", "--num-prompts", "8", "--out", str(tmp_path)]
+    assert main([*args, "rollout.scale_mode=floor", "rollout.fp8_layers=2"]) == 0
+    assert json.loads((tmp_path / "mismatch.json").read_text())["num_tokens"] > 0
+    assert main([*args, "train.lr=1"]) == 2  # only rollout.* settings

@@ -283,7 +283,9 @@ def test_mx_rollout_scale_mode_reaches_every_layer_and_survives_sync(tiny_qwen, 
     from bitrl.rollout.precision import make_rollout_model, sync_rollout_model_
 
     policy = copy.deepcopy(tiny_qwen)
-    rollout = make_rollout_model(policy, "mxfp4", mx_scale_mode=mode)
+    from bitrl.quant.recipe import recipe_for
+
+    rollout = make_rollout_model(policy, "mxfp4", recipe_for("mxfp4", scale_mode=mode, outlier_tau=None))
     with torch.no_grad():
         for p in policy.parameters():
             p.mul_(1.5)
