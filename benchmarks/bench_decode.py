@@ -27,27 +27,8 @@ from pathlib import Path
 
 import torch
 
-# Qwen2-0.5B's shape (config.json of Qwen/Qwen2-0.5B); TINY for the CPU smoke test.
-QWEN2_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-)
+# Qwen2-0.5B's shape; TINY shrinks it for the CPU smoke test.
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -128,8 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-gib", type=float, default=2.0)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
+    from bitrl.engine.models import architecture_config
     from bitrl.rollout.precision import make_rollout_model
     from bitrl.rollout.settings import EngineOptions
 
@@ -137,7 +119,7 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_decode: no CUDA device here (use --device cpu --tiny for the smoke test)")
     torch.manual_seed(0)
-    config = Qwen2Config(**(TINY if args.tiny else QWEN2_05B))
+    config = architecture_config("qwen2-0.5b", **(TINY if args.tiny else {}))
     policy = Qwen2ForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, config.vocab_size, (args.rows, args.prompt_len), generator=g).tolist()

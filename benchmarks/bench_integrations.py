@@ -249,14 +249,8 @@ def _compare(rows):
 # a real TRL GRPOTrainer, with and without bitrl
 # ----------------------------------------------------------------------------------------------------------
 
-TRAINER_MODEL = dict(
-    vocab_size=32768,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+TRAINER_MODEL = dict(vocab_size=32768, hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+TRAINER_MODEL.update(num_attention_heads=4, num_key_value_heads=2)  # a 2-layer Qwen2 with GQA
 
 
 def trainer_child(spec: dict) -> dict:

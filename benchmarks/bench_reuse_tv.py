@@ -26,17 +26,7 @@ MODES = [("spec-rl", 0), ("exact", V), ("exact", 1), ("exact", 0)]
 def main(argv=None) -> int:
     from bitrl.rollout.generation import RolloutEngine
     from bitrl.rollout.settings import Sampling
-    from bitrl.tests.reuse_tv import (  # the exact formulas, shared with tests/test_reuse.py
-        empirical_distribution,
-        engine_reuse_distribution,
-        enumerable_model,
-        fresh_distribution,
-        next_token_table,
-        perturbed,
-        reuse_distribution,
-        sequences,
-        total_variation,
-    )
+    from bitrl.tests import reuse_tv as tv  # the exact formulas, shared with tests/test_reuse.py
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -46,16 +36,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     prompt = [1, 3]
-    old = enumerable_model(V, EOS)
-    t_old = next_token_table(old, prompt, vocab_size=V, max_new_tokens=LEN, eos_id=EOS)
-    seqs = sequences(t_old, V, LEN, EOS)
-    p_old = fresh_distribution(t_old, seqs)
+    old = tv.enumerable_model(V, EOS)
+    t_old = tv.next_token_table(old, prompt, vocab_size=V, max_new_tokens=LEN, eos_id=EOS)
+    seqs = tv.sequences(t_old, V, LEN, EOS)
+    p_old = tv.fresh_distribution(t_old, seqs)
     for sigma in args.sigmas:
-        new = perturbed(old, sigma)
-        t_new = next_token_table(new, prompt, vocab_size=V, max_new_tokens=LEN, eos_id=EOS)
-        p_new = fresh_distribution(t_new, seqs)
+        new = tv.perturbed(old, sigma)
+        t_new = tv.next_token_table(new, prompt, vocab_size=V, max_new_tokens=LEN, eos_id=EOS)
+        p_new = tv.fresh_distribution(t_new, seqs)
         print(
-            f"\n### sigma = {sigma}: TV(old, new) = {total_variation(p_old, p_new):.4f} "
+            f"\n### sigma = {sigma}: TV(old, new) = {tv.total_variation(p_old, p_new):.4f} "
             "(reuse without verifying)"
         )
         print("\n| mode | old distribution kept | " + " | ".join(f"l = {x:.3g}" for x in LENIENCES) + " |")
@@ -64,10 +54,10 @@ def main(argv=None) -> int:
         for mode, k in MODES:
             cells = []
             for lenience in LENIENCES:
-                dist, summary = reuse_distribution(
+                dist, summary = tv.reuse_distribution(
                     t_new, t_old, seqs, lenience=lenience, mode=mode, old_topk=k
                 )
-                cells.append(f"{total_variation(dist, p_new):.4f}")
+                cells.append(f"{tv.total_variation(dist, p_new):.4f}")
                 summaries[lenience] = summary
             kept = "-" if mode == "spec-rl" else ("full" if k >= V else f"top-{k} + drafted token")
             kept = "drafted token only" if mode == "exact" and k == 0 else kept
@@ -87,25 +77,16 @@ def main(argv=None) -> int:
         floor = engine.generate([prompt] * n, generator=torch.Generator().manual_seed(9))
         print(
             f"\nengine check, {n} samples at l = 1 (noise floor: fresh samples vs exact "
-            f"{total_variation(empirical_distribution(floor), p_new):.4f})"
+            f"{tv.total_variation(tv.empirical_distribution(floor), p_new):.4f})"
         )
         for mode, k in [("spec-rl", 0), ("exact", V)]:
-            emp = engine_reuse_distribution(
-                old,
-                new,
-                prompt,
-                n,
-                max_new_tokens=LEN,
-                eos_id=EOS,
-                pad_id=0,
-                lenience=1.0,
-                mode=mode,
-                old_topk=k,
+            setup = (old, new, prompt, t_old, t_new, seqs)
+            emp, dist = tv.engine_against_formula(
+                setup, n, mode=mode, old_topk=k, max_new_tokens=LEN, eos_id=EOS
             )
-            dist, _ = reuse_distribution(t_new, t_old, seqs, lenience=1.0, mode=mode, old_topk=k)
             print(
-                f"- {mode}: TV(engine, formula) = {total_variation(emp, dist):.4f}, "
-                f"TV(engine, fresh exact) = {total_variation(emp, p_new):.4f}"
+                f"- {mode}: TV(engine, formula) = {tv.total_variation(emp, dist):.4f}, "
+                f"TV(engine, fresh exact) = {tv.total_variation(emp, p_new):.4f}"
             )
     return 0
 

@@ -25,20 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-5,
-    pad_token_id=2,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+VOCAB = 49152  # SmolLM2-135M's (bitrl.engine.models.ARCHITECTURES["smollm2-135m"])
 
 ARMS = {
     "fp32": ["model.dtype=float32", "train.autocast=none"],
@@ -109,9 +96,9 @@ def arm_config(arm: str, rows: int, response: int):
 def build_trainer(cfg):
     """SmolLM2-135M's architecture with random weights (seed 0), in cfg's dtype, LoRA as cfg says."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from bitrl.engine.models import DTYPES
+    from bitrl.engine.models import DTYPES, architecture_config
     from bitrl.train.lora import apply_lora
     from bitrl.train.trainer import PolicyTrainer
 
@@ -119,7 +106,7 @@ def build_trainer(cfg):
     default = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[cfg.model.dtype])  # built in its dtype: no fp32 copy in the peak
     try:
-        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M))
+        model = LlamaForCausalLM(architecture_config("smollm2-135m"))
     finally:
         torch.set_default_dtype(default)
     if cfg.model.lora.rank:
@@ -129,13 +116,12 @@ def build_trainer(cfg):
 
 def worker(arm: str, rows: int, prompt: int, response: int, steps: int) -> dict:
     """One arm in this process: build, train `steps` (+1 warm-up) steps, report throughput and memory."""
-    from transformers import LlamaConfig
-
+    from bitrl.engine.models import architecture_config
     from bitrl.train.memory import pin_mmap_threshold, plan_memory
 
     cfg = arm_config(arm, rows, response)
     pin_mmap_threshold(cfg)  # as `bitrl train` does
-    config = LlamaConfig(**SMOLLM2_135M)
+    config = architecture_config("smollm2-135m")
     rollout, advantages = synthetic_rollout(rows, prompt, response, config.vocab_size)
     import peft  # noqa: F401  (code, not data: imported before the baseline)
 
@@ -177,7 +163,7 @@ def interleaved(arms: list[str], rows: int, prompt: int, response: int, rounds: 
     """Throughput of every arm in one process, one step per arm per round with the order rotated every
     round, so that the arms share the machine's conditions step by step. Arms that differ only in gradient
     checkpointing share one model (switched per step). Returns one record per arm and measured round."""
-    rollout, advantages = synthetic_rollout(rows, prompt, response, SMOLLM2_135M["vocab_size"])
+    rollout, advantages = synthetic_rollout(rows, prompt, response, VOCAB)
     trainers = {}
     for arm in arms:
         base = arm.removesuffix(" + ckpt")

@@ -171,7 +171,7 @@ class RolloutConfig(Section):
     # problems every step). Speculative reuse needs prompts to come back.
     fixed_prompts: int | None = Field(None, ge=1)
     reuse: ReuseConfig = ReuseConfig()
-    # Rollout engine (bitrl.rollout.engine): rows decoding at once (continuous batching), the KV cache's
+    # Rollout engine (bitrl.rollout.generation): rows decoding at once (continuous batching), the KV cache's
     # dtype ("auto": the rollout copy's; "fp8": E4M3) and torch.compile of the decode step ("auto": on CUDA).
     max_batch_rows: int = Field(256, ge=1)
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"

@@ -19,6 +19,51 @@ import torch
 from bitrl.engine.tasks import CharTokenizer, InputError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Published architectures (the shapes of their config.json), for benchmarks and memory plans that need the
+# model's shape but not its weights: name -> (model_type, config fields).
+ARCHITECTURES = {
+    "smollm2-135m": (  # HuggingFaceTB/SmolLM2-135M-Instruct
+        "llama",
+        dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            pad_token_id=2,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "qwen2-0.5b": (  # Qwen/Qwen2-0.5B
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+
+def architecture_config(name: str, **overrides):
+    """The Hugging Face config of a published architecture (ARCHITECTURES), with fields overridden."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {name!r}; known: {sorted(ARCHITECTURES)}")
+    model_type, fields = ARCHITECTURES[name]
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config}[model_type](**{**fields, **overrides})
 PACKAGE_PREFIX = "package:"
 
 

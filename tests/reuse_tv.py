@@ -197,3 +197,23 @@ def engine_reuse_distribution(
         generator=torch.Generator().manual_seed(seed + 1),
     )
     return empirical_distribution(rollout)
+
+
+def engine_against_formula(setup, n: int, *, mode: str, old_topk: int, max_new_tokens: int, eos_id: int):
+    """(the engine's empirical distribution of n responses, the formula's) at lenience 1, for a setup
+    (old model, new model, prompt, old table, new table, sequences)."""
+    old, new, prompt, t_old, t_new, seqs = setup
+    empirical = engine_reuse_distribution(
+        old,
+        new,
+        prompt,
+        n,
+        max_new_tokens=max_new_tokens,
+        eos_id=eos_id,
+        pad_id=0,
+        lenience=1.0,
+        mode=mode,
+        old_topk=old_topk,
+    )
+    dist, _ = reuse_distribution(t_new, t_old, seqs, lenience=1.0, mode=mode, old_topk=old_topk)
+    return empirical, dist

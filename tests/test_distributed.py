@@ -179,10 +179,16 @@ def worker_trainer(out: Path) -> None:
                 for name, layer in lora_layers(reference).items():
                     target = rollout_model.get_submodule(name)
                     if isinstance(target, QuantLinear):
-                        want = quantize(
-                            merged_weight(layer, torch.float32), target.fmt, **target.quant_kwargs
+                        want = QuantLinear(  # the same recipe: scales, outlier fallback
+                            target.in_features,
+                            target.out_features,
+                            fmt=target.fmt,
+                            act=target.act,
+                            quant_kwargs=target.quant_kwargs,
+                            outlier_tau=target.outlier_tau,
                         )
-                        assert torch.equal(target.qdata, want.data), f"lora {precision} {name}"
+                        want.set_weight(merged_weight(layer, torch.float32))
+                        assert torch.equal(target.qdata, want.qdata), f"lora {precision} {name}"
                     else:
                         assert torch.equal(target.weight, merged_weight(layer, torch.float32)), f"lora {name}"
 

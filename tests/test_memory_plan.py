@@ -2,21 +2,12 @@
 that will not fit, and the `bitrl train` refusal."""
 
 import pytest
-from transformers import LlamaConfig
 
 from bitrl.engine.config import load_config
+from bitrl.engine.models import architecture_config
 from bitrl.train.memory import GiB, ModelShape, plan_memory
 
-# SmolLM2-135M's architecture
-SMOLLM2 = LlamaConfig(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    tie_word_embeddings=True,
-)
+SMOLLM2 = architecture_config("smollm2-135m")
 
 
 def plan(*overrides, world_size=1, device=64 * GiB):
@@ -142,15 +133,8 @@ def test_planned_activations_match_what_an_update_keeps(dtype, lora):
     """The plan's activations against what autograd really keeps in one update of a small Llama, with and
     without LoRA (whose branches keep their own inputs, in fp32 under a bf16 forward). A LoRA run's peak RSS
     above its plan is the allocator's, not kept tensors: see pin_mmap_threshold."""
-    small = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=320,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
+    shrunk = dict(vocab_size=512, hidden_size=128, intermediate_size=320, num_hidden_layers=2)
+    small = architecture_config("smollm2-135m", **shrunk, num_attention_heads=4, num_key_value_heads=2)
     rows, prompt, response = 4, 24, 8
     cfg = load_config(
         overrides=[

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import TINY_DEMO_MODEL
 from reuse_tv import (
-    engine_reuse_distribution,
+    engine_against_formula,
     enumerable_model,
     fresh_distribution,
     next_token_table,
@@ -392,25 +392,15 @@ def test_tv_formula(tv_setup):
 @pytest.mark.parametrize("mode,old_topk", [("spec-rl", 0), ("exact", V), ("exact", 1)])
 def test_engine_matches_the_tv_formula(tv_setup, mode, old_topk):
     """The engine's empirical response distribution is within sampling noise of the formula's."""
-    old, new, prompt, t_old, t_new, seqs = tv_setup
     n = 12000
-    empirical = engine_reuse_distribution(
-        old,
-        new,
-        prompt,
-        n,
-        max_new_tokens=LEN,
-        eos_id=EOS,
-        pad_id=0,
-        lenience=1.0,
-        mode=mode,
-        old_topk=old_topk,
+    empirical, dist = engine_against_formula(
+        tv_setup, n, mode=mode, old_topk=old_topk, max_new_tokens=LEN, eos_id=EOS
     )
-    dist, _ = reuse_distribution(t_new, t_old, seqs, lenience=1.0, mode=mode, old_topk=old_topk)
     # E[TV] of n samples is about sum_y sqrt(p_y / (2 pi n)); allow a wide margin.
     noise = sum(math.sqrt(p / (2 * math.pi * n)) for p in dist.values())
     assert total_variation(empirical, dist) < 1.6 * noise + 0.005
     if mode == "spec-rl":
+        _, _, _, _, t_new, seqs = tv_setup
         assert total_variation(empirical, fresh_distribution(t_new, seqs)) > 2 * noise
 
 

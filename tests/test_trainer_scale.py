@@ -242,7 +242,8 @@ def test_lora_rollout_copy_gets_the_merged_weights():
     from bitrl.quant import quantize
 
     assert torch.equal(
-        quantized.model.layers[0].self_attn.q_proj.qdata, quantize(merged.detach(), "nvfp4").data
+        quantized.model.layers[0].self_attn.q_proj.qdata,
+        quantize(merged.detach(), "nvfp4", scale_mode="mse").data,  # the default recipe's scales
     )
 
 
