@@ -202,19 +202,18 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def mixed_precision_policy(name: str, device: torch.device):
     """FSDP2's MixedPrecisionPolicy for train.fsdp_mixed_precision: "bf16" (bf16 parameters for compute,
-    fp32 gradient reduction), "none" (the weights' own dtype throughout), "auto" (bf16 on CUDA, else none)."""
+    fp32 gradient reduction) or "none" (the weights' own dtype throughout); "auto" is resolved by the config
+    (TrainConfig.resolved_fsdp_mixed_precision), never here."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if name == "auto":
-        name = "bf16" if device.type == "cuda" else "none"
     if name == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if name == "none":
         return MixedPrecisionPolicy()
-    raise ValueError(f"train.fsdp_mixed_precision must be 'auto', 'bf16' or 'none', got {name!r}")
+    raise ValueError(f"fsdp mixed precision must be 'bf16' or 'none' (resolved), got {name!r}")
 
 
-def shard_policy(model: nn.Module, mixed_precision: str = "auto") -> nn.Module:
+def shard_policy(model: nn.Module, mixed_precision: str = "none") -> nn.Module:
     """Shard `model` in place with FSDP2: each decoder layer is one unit, the root holds the rest.
 
     Gradients are summed over ranks, not averaged: the loss is already divided by global token/sequence
@@ -335,8 +334,8 @@ def sync_rollout_model_sharded_(rollout_model: nn.Module, policy: nn.Module) -> 
     re-merged while that unit is gathered (nothing else of it trains). Returns counts of what was done.
     """
     from bitrl.quant.linear import QuantLinear, _canon
+    from bitrl.rollout.lora_merge import lora_layers
     from bitrl.rollout.precision import _sync_lora_, shared_base_modules
-    from bitrl.train.lora import lora_layers
 
     reshard(policy)  # the root may still be gathered after a forward; sync reads the sharded masters
     lora = lora_layers(policy)
