@@ -126,16 +126,17 @@ def main(argv=None) -> int:
     policy.eval()
     rng = random.Random(0)
     prompts = encode_prompts(tokenizer, [task.sample(rng) for _ in range(16)], cfg.task)
-    rows = [measure(name, policy, tokenizer, task, cfg, prompts) for name in (args.only or RECIPES)]
     out = {
         "study": "4-bit rollout recipes on SmolLM2-135M-Instruct before training",
         "command": "python benchmarks/study_4bit.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),
         "torch": torch.__version__,
-        "rows": rows,
+        "rows": [],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    for name in args.only or RECIPES:  # written after every recipe: a run cut short keeps what it measured
+        out["rows"].append(measure(name, policy, tokenizer, task, cfg, prompts))
+        Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
     return 0
 

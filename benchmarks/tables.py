@@ -825,6 +825,37 @@ def table_real_runs() -> str:
     return md(head, out, "lllrrrrrrr") + source("bench_real.json")
 
 
+def table_study_4bit() -> str:
+    """4-bit rollout recipes on SmolLM2 before training (benchmarks/study_4bit.py)."""
+    rows = load("study_4bit_smollm2.json")["rows"]
+    full = next(r for r in rows if r["recipe"] == "full")
+    out = []
+    for r in rows:
+        settings = " ".join(f"`{o}`" for o in r["overrides"]) or "defaults"
+        bits = "–" if r["weight_bits"] is None else f"{r['weight_bits']:.2f}"
+        out.append(
+            [
+                f"`{r['precision']}`",
+                settings,
+                f"{r['k3_per_token']:.4f}",
+                f"{r['ess']:.3f}",
+                f"{100 * r['greedy_accuracy']:.0f}%",
+                f"{100 * (r['greedy_accuracy'] - full['greedy_accuracy']):+.0f}",
+                bits,
+            ]
+        )
+    head = [
+        "rollout.precision",
+        "rollout.* settings",
+        "k3 / token",
+        "ESS",
+        "greedy accuracy",
+        "vs full",
+        "bits / weight",
+    ]
+    return md(head, out, "llrrrrr") + source("study_4bit_smollm2.json")
+
+
 # ------------------------------------------------------------------------------------------- index
 
 DESCRIPTIONS = {
@@ -849,6 +880,7 @@ DESCRIPTIONS = {
     "bench_trainer.json": "update throughput and memory at SmolLM2-135M's size",
     "kernel_resources.json": "every Triton specialization compiled for sm_90 / sm_100",
     "study_mismatch_200steps.json": "low-precision rollouts and corrections on the demo, 200 steps",
+    "study_4bit_smollm2.json": "4-bit rollout recipes on SmolLM2-135M before training: mismatch, accuracy",
 }
 
 
@@ -891,6 +923,7 @@ TABLES: dict[str, tuple[str, Callable[[], str], tuple[str, ...]]] = {
     "reuse-16epochs": ("rollout.md", table_reuse_16epochs, ("bench_reuse_16epochs_12seeds.json",)),
     "reuse-long": ("rollout.md", table_reuse_long, ("bench_reuse_long_smollm2_4seeds.json",)),
     "trainer": ("trainer.md", table_trainer, ("bench_trainer.json",)),
+    "study-4bit": ("low_precision.md", table_study_4bit, ("study_4bit_smollm2.json",)),
     "distributed-curves": ("scale_out.md", table_distributed_curves, ("bench_distributed_curves.json",)),
     "distributed-demo": ("scale_out.md", table_distributed_demo, ("bench_distributed_demo.json",)),
     "distributed-smollm2": ("scale_out.md", table_distributed_smollm2, ("bench_distributed_smollm2.json",)),
