@@ -1,11 +1,21 @@
 import importlib
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# The checkout's folders are bitrl's subpackages (bitrl.kernels, ...), not top-level packages, but
+# `python -m pytest` puts the working directory on sys.path, where kernels/ shadows the Hugging Face
+# `kernels` package that transformers >= 5.25 imports. Drop it here, and keep subprocesses (`python -m ...`)
+# from adding it back.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
 
 # Property tests draw the same examples on every run, so a test run never fails on a case no earlier run has
 # seen (to explore new examples: HYPOTHESIS_PROFILE=explore).
