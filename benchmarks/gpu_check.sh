@@ -32,7 +32,8 @@ dry=${GPU_CHECK_DRY_RUN:-0}
 rehearsal=${GPU_CHECK_REHEARSAL:-0}
 scratch=$(mktemp -d)  # warm-start cache and run folders: only the results above go to OUTDIR
 trap 'rm -rf "$scratch"' EXIT
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 BITRL_CACHE=${BITRL_CACHE:-$scratch/cache}
+# PYTHONSAFEPATH: `python -m` must not put the checkout's kernels/ ahead of the kernels package transformers uses
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONSAFEPATH=1 BITRL_CACHE=${BITRL_CACHE:-$scratch/cache}
 export BITRL_KERNEL_CACHE=${BITRL_KERNEL_CACHE:-$BITRL_CACHE/csrc}  # shared with the test suite's isolated caches
 [ "$dry" = "0" ] && mkdir -p "$out"
 budget=0

@@ -1,4 +1,5 @@
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -13,9 +14,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # `python -m pytest` puts the working directory on sys.path, where kernels/ shadows the Hugging Face
 # `kernels` package that transformers >= 5.25 imports. Drop it here, and keep subprocesses (`python -m ...`)
 # from adding it back.
+# pytest puts the rootdir back before some tests, so the real package is also imported here, once: later
+# imports of `kernels` find it in sys.modules.
 _ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+
+def _drop_checkout_root() -> None:
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+
+_drop_checkout_root()
 os.environ["PYTHONSAFEPATH"] = "1"
+if importlib.util.find_spec("kernels") is not None:
+    importlib.import_module("kernels")
 
 # Property tests draw the same examples on every run, so a test run never fails on a case no earlier run has
 # seen (to explore new examples: HYPOTHESIS_PROFILE=explore).
@@ -26,7 +37,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Warm starts cached by tests never touch the user's cache."""
+    """Warm starts cached by tests never touch the user's cache; the checkout's root stays off sys.path."""
+    _drop_checkout_root()
     monkeypatch.setenv("BITRL_CACHE", str(tmp_path_factory.getbasetemp() / "bitrl-cache"))
 
 

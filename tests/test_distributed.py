@@ -64,7 +64,10 @@ def subprocess_env(**extra: str) -> dict:
     """The environment of a test's ranks, read when they start: it carries the test's own bitrl cache (an
     environment read at import would send the ranks' warm starts to the user's cache, and load there what
     another machine's kernels, or an older run, left)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+    # the ranks run this file as a script and import conftest beside it; PYTHONSAFEPATH (conftest) keeps a
+    # script's folder off sys.path, so it is named here
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **extra}
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
