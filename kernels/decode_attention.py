@@ -57,7 +57,9 @@ QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8 = torch.float8_e4m3fn
 BLOCK_M = 16  # query rows per program (tl.dot's smallest M); decode has group * T of them
 # key columns per tile, by query dtype: fixed, so the reduction order is the same for every R, T and W
-BLOCK_N = {torch.float32: 32, torch.bfloat16: 64, torch.float16: 64}
+BLOCK_N = {torch.float32: 16, torch.bfloat16: 64, torch.float16: 64}
+# fp32's IEEE dot runs on FMA units, each thread holding whole rows of both operands: 8 warps at head_dim 128
+WARPS = {torch.float32: 8, torch.bfloat16: 4, torch.float16: 4}
 MAX_HEAD_DIM = 256
 
 
@@ -286,6 +288,6 @@ def _decode_attention_triton(q, k_cache, v_cache, visible, scale):
         BLOCK_N=BLOCK_N[q.dtype],
         BLOCK_D=max(16, next_pow2(dim)),
         F32_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreted()),
-        num_warps=4,
+        num_warps=WARPS[q.dtype],
     )
     return out

@@ -2,11 +2,11 @@
 
 The specializations are not listed by hand: :func:`collect_launches` drives the library's own dispatch code
 (``policy_loss``, ``fused_logprobs``, ``fused_linear_policy_loss``, ``quantize``, ``dequantize``, the W4A16
-and FP4 ``dot_scaled`` matmuls) over the options its registries offer (loss types, KL estimators, number
-formats, input dtypes, and sizes that select every block configuration), with ``JITFunction.run`` replaced by
-a recorder. Each recorded launch carries the exact signature, constexprs and alignment attributes Triton's own
-binder derives, so compiling it with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``
-builds the same cubin a GPU launch would.
+and FP4 ``dot_scaled`` matmuls, ``decode_attention``) over the options its registries offer (loss types, KL
+estimators, number formats, input dtypes, and sizes that select every block configuration), with
+``JITFunction.run`` replaced by a recorder. Each recorded launch carries the exact signature, constexprs and
+alignment attributes Triton's own binder derives, so compiling it with
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` builds the same cubin a GPU launch would.
 
 :func:`compile_all` compiles every launch for sm_90 and sm_100 (and sm_80 where a kernel declares it) in a
 process pool and reads registers, stack, local memory (where spills go) and shared memory from the cubin with
@@ -268,8 +268,27 @@ def _hadamard_cases():
         )
 
 
+def _attention_cases():
+    from bitrl.kernels.decode_attention import decode_attention
+
+    # a compiled decode step (T = 1 over a power-of-two width) and a draft verification (T = 4, a ragged
+    # width), GQA group 7 (Qwen2-0.5B), for both common head sizes, over fp8 and same-dtype caches
+    for dtype, fp8, dim, (steps, width) in itertools.product(
+        DTYPES, (True, False), (64, 128), ((1, 128), (4, 100))
+    ):
+        kv = torch.float8_e4m3fn if fp8 else dtype
+        q = torch.randn(3, 2, 7 * steps, dim).to(dtype)
+        k = torch.zeros(3, 2, 128, dim).to(kv)
+        visible = torch.ones(3, 256, dtype=torch.bool)[:, None, :width].expand(3, steps, width)
+        yield (
+            f"decode_attention T={steps} d={dim} cache={kv} {dtype}",
+            lambda a=(q, k, k, visible, dim**-0.5): decode_attention(*a, impl="triton"),
+        )
+
+
 def dispatch_cases():
     """(name, callable) for every option combination of the Triton-dispatching public ops."""
+    yield from _attention_cases()
     yield from _hadamard_cases()
     yield from _sampling_cases()
     yield from _policy_cases()

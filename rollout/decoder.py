@@ -24,6 +24,8 @@ from functools import cache as memoize
 import torch
 import torch.nn.functional as F
 
+from bitrl.kernels.decode_attention import decode_attention
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
 FP8_MAX = 448.0
@@ -195,9 +197,12 @@ class Decoder:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             cache.write(i, k, v, cols)
-            keys, values = cache.read(i, width, q.dtype)
             q = q.reshape(rows, self.kv_heads, group * steps, self.head_dim)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+            if q.is_cuda and cache.dtype == torch.float8_e4m3fn:  # fp8 read in the kernel, not cast
+                o = decode_attention(q, cache.k[i], cache.v[i], visible, self.scaling)
+            else:
+                keys, values = cache.read(i, width, q.dtype)
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
             o = o.view(rows, self.heads, steps, self.head_dim)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(rows, steps, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
