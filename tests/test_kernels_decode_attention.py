@@ -239,10 +239,10 @@ def test_compiled_kernel_matches_the_reference_on_cuda(q_dtype, steps):  # pragm
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (an fp8-cache rollout)")
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_an_fp8_cache_rollout_on_cuda_reads_the_cache_in_the_kernel(tiny_qwen, monkeypatch, compile):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_fp8_cache_rollout_on_cuda_reads_the_cache_in_the_kernel(tiny_qwen, monkeypatch, compiled):
     """kv_cache_dtype="fp8" on CUDA: every layer's attention goes through the kernel (eager and in the
-    compiled step), and the samples' log-probs stay close to the bf16 policy's."""  # pragma: no cover
+    compiled step), and the samples' log-probs stay close to the bf16 policy's (GPU only)."""
     import bitrl.rollout.decoder as decoder
     from bitrl.rollout.generation import RolloutEngine
     from bitrl.rollout.settings import EngineOptions, Sampling
@@ -257,7 +257,7 @@ def test_an_fp8_cache_rollout_on_cuda_reads_the_cache_in_the_kernel(tiny_qwen, m
     monkeypatch.setattr(decoder, "decode_attention", spy)
     torch._dynamo.reset()
     policy = tiny_qwen.cuda().to(torch.bfloat16)
-    options = EngineOptions(kv_cache_dtype="fp8", compile=compile)
+    options = EngineOptions(kv_cache_dtype="fp8", compile=compiled)
     sampling = Sampling(max_new_tokens=8, eos_id=2, pad_id=0)
     prompts = [[1, 5, 6, 7], [1, 8], [1, 9, 10, 11, 12, 13]] * 4
     r = RolloutEngine(policy, sampling, options).generate(prompts, generator=torch.Generator())
