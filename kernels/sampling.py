@@ -236,7 +236,9 @@ def _top_p_threshold(z: torch.Tensor, top_p: float) -> torch.Tensor:
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """z = logits / T in fp32 [..., V], -inf outside the kept support (steps 1-3). temperature > 0.
     log_softmax of the result is the log-prob of the distribution `fused_sample` draws from."""
-    z = logits.float() / temperature
+    z = logits.float()
+    if temperature != 1.0:  # z / 1 is z: no pass over the vocabulary for it
+        z = z / temperature
     shape = z.shape
     z = z.reshape(-1, shape[-1])
     if 0 < top_k < shape[-1]:
@@ -256,13 +258,57 @@ SPARSE_FRACTION = 4
 
 
 def _fused_sample_torch(logits, seeds, positions, temperature, top_k, top_p):
-    """Step 5 without drawing V uniforms per row: the score of each row's most likely token bounds the
-    winner's z from below (z_win >= score - GUMBEL_MAX), so Philox runs only for the tokens within that
-    distance (hundreds of a real model's 49k at T = 0.7-1). The draw is the full formula's, bit for bit."""
+    """Steps 1-6 in torch ops, step 5 through `_gumbel_argmax`."""
     z = filter_logits(logits, temperature, top_k, top_p)
     lse = torch.logsumexp(z, dim=-1)
+    tokens = _gumbel_argmax(z, seeds.long(), positions.long())
+    return tokens, z[torch.arange(z.shape[0], device=z.device), tokens] - lse
+
+
+# Candidates per row the host library may hand back (a row with more is drawn the plain way).
+HOST_CANDIDATES = 16
+
+
+def _gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """argmax_v z_v - log(-log(u_v)) per row of z [B, V] fp32 (lowest index on exact ties), the full
+    formula's bits. On the CPU the host library names each row's few possible winners (csrc/sampler_host.cc:
+    approximate keys, every token within a margin of the best) and torch scores only those; elsewhere, or for
+    a row the library leaves to it, `_gumbel_argmax_torch`."""
+    lib = _host_library(z, seeds, positions)
+    if lib is None:
+        return _gumbel_argmax_torch(z, seeds, positions)
+    z = z.contiguous()
+    rows = z.shape[0]
+    candidates = torch.full((rows, HOST_CANDIDATES), -1, dtype=torch.long)
+    count = torch.empty(rows, dtype=torch.long)
+    seeds, positions = seeds.contiguous(), positions.contiguous()
+    lib.bitrl_gumbel_candidates(
+        z.data_ptr(),
+        seeds.data_ptr(),
+        positions.data_ptr(),
+        rows,
+        z.shape[1],
+        HOST_CANDIDATES,
+        candidates.data_ptr(),
+        count.data_ptr(),
+    )
+    row, slot = (torch.arange(HOST_CANDIDATES) < count[:, None]).nonzero(as_tuple=True)
+    token = candidates[row, slot]
+    u = uniforms_at(seeds[row], positions[row], token)
+    score = torch.full((rows, HOST_CANDIDATES), float("-inf"))
+    score[row, slot] = z[row, token] - torch.log(-torch.log(u))
+    tokens = candidates.gather(1, score.argmax(1, keepdim=True)).squeeze(1)  # candidates ascend: lowest wins
+    plain = (count < 0).nonzero().squeeze(1)
+    if plain.numel():
+        tokens[plain] = _gumbel_argmax_torch(z[plain], seeds[plain], positions[plain])
+    return tokens
+
+
+def _gumbel_argmax_torch(z: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`_gumbel_argmax` without drawing V uniforms per row: the score of each row's most likely token bounds
+    the winner's z from below (z_win >= score - GUMBEL_MAX), so Philox runs only for the tokens within that
+    distance (hundreds of a real model's 49k at T = 0.7-1, all of them in a flat row)."""
     rows = torch.arange(z.shape[0], device=z.device)
-    seeds, positions = seeds.long(), positions.long()
     top = z.argmax(-1)
     top_score = z[rows, top] - torch.log(-torch.log(uniforms_at(seeds, positions, top)))
     # 1.0 of slack covers the rounding of z - log(-log(u)); a wider candidate set only costs time
@@ -274,8 +320,7 @@ def _fused_sample_torch(logits, seeds, positions, temperature, top_k, top_p):
         u = uniforms_at(seeds[row], positions[row], token)
         score = torch.full_like(z, float("-inf"))
         score[row, token] = z[row, token] - torch.log(-torch.log(u))
-    tokens = score.argmax(-1)  # the first maximum: lowest index on exact ties
-    return tokens, z[rows, tokens] - lse
+    return score.argmax(-1)  # the first maximum: lowest index on exact ties
 
 
 # ----------------------------------------------------------------------------------------------------------

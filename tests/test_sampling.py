@@ -159,6 +159,34 @@ def test_compiled_philox_equals_the_torch_formula(vocab):
     assert torch.equal(at, sampling._uniforms_at_torch(seeds[row], positions[row], token))
 
 
+def test_the_host_candidates_hold_the_formulas_winner():
+    """The CPU draw scores only the tokens the host library names (approximate keys within a margin of the
+    best): on flat rows (every token can win), peaked and tied rows, masks, huge logits and a real vocabulary
+    its token is the full formula's; a row with NaN goes the plain way and its NaN shows."""
+    from bitrl.kernels import host_ext, sampling
+
+    if host_ext.load_host_library() is None:
+        pytest.skip("no C++ compiler here (or BITRL_HOST_EXT=0): the CPU draw uses the torch formula")
+    g = torch.Generator().manual_seed(11)
+    cases = []
+    for vocab, scale in [(49152, 0.3), (49152, 4.0), (5000, 1e4), (97, 1.0), (64, 0.0), (1, 1.0), (65, 30.0)]:
+        z = torch.randn(16, vocab, generator=g) * scale
+        cases += [z, z.round()]  # the rounded copy: ties everywhere
+        masked = z.clone()
+        masked[torch.rand(z.shape, generator=g) < 0.5] = float("-inf")
+        masked[:, vocab // 2] = 0.0
+        cases.append(masked)
+    for z in cases:
+        seeds = torch.randint(-(2**62), 2**62, (z.shape[0],), generator=g)
+        positions = torch.randint(0, 2**40, (z.shape[0],), generator=g)
+        full = z - torch.log(-torch.log(sampling.sampling_uniforms(seeds, positions, z.shape[1])))
+        assert torch.equal(sampling._gumbel_argmax(z, seeds, positions), full.argmax(-1))
+    z = torch.randn(3, 300, generator=g)
+    z[1, 7] = float("nan")
+    tok, lp = fused_sample(z, torch.tensor([1, 2, 3]), torch.tensor([0, 0, 0]))
+    assert lp[1].isnan() and lp[[0, 2]].isfinite().all()
+
+
 def test_the_torch_formula_runs_where_the_host_library_is_off(monkeypatch):
     from bitrl.kernels import host_ext, sampling
 
