@@ -65,8 +65,9 @@ def clipped_token_mean(lp, old, adv, mask, eps=0.2):
     return (per * mask).sum() / mask.sum()
 
 
-def variant_fn(op: str, name: str):
-    """fn(inputs) running one forward + backward of ``name`` on ``op``."""
+def variant_fn(op: str, name: str, memory_budget: int | None = None):
+    """fn(inputs) running one forward + backward of ``name`` on ``op``; ``memory_budget``: bitrl's (None:
+    the op's default)."""
 
     def flat(x):
         return x["h"].reshape(-1, x["h"].shape[-1]), x["y"].reshape(-1)
@@ -78,14 +79,23 @@ def variant_fn(op: str, name: str):
 
             def fn(x):
                 h, y = flat(x)
-                lp, ent = fused_logprobs(h, x["w"], y, temperature=TEMPERATURE, impl="torch")
+                lp, ent = fused_logprobs(
+                    h, x["w"], y, temperature=TEMPERATURE, impl="torch", memory_budget=memory_budget
+                )
                 (lp.sum() + ent.sum()).backward()
 
             return fn
 
         def fn(x):
             loss, _ = fused_linear_policy_loss(
-                x["h"], x["w"], x["y"], x["old"], x["adv"], x["mask"], impl="torch"
+                x["h"],
+                x["w"],
+                x["y"],
+                x["old"],
+                x["adv"],
+                x["mask"],
+                impl="torch",
+                memory_budget=memory_budget,
             )
             loss.backward()
 
@@ -163,7 +173,8 @@ def child(spec: dict) -> dict:
     if spec.get("bf16_gemms"):  # bitrl's path for a CPU with bf16 units, on any CPU (emulated GEMMs here)
         importlib.import_module("bitrl.kernels.fused_logprobs.numerics").CPU_BF16_MATMUL = torch.bfloat16
     x = make_inputs(spec["N"], spec["V"], DTYPES[spec["dtype"]])
-    fns = {n: variant_fn(spec["op"], n) for n in spec["names"]}
+    budget = spec.get("memory_budget")  # bitrl's, when given
+    fns = {n: variant_fn(spec["op"], n, memory_budget=budget) for n in spec["names"]}
     if spec["mode"] in ("memory", "once"):
         (name,) = spec["names"]
         # a warm-up call on tiny inputs first: the library code it pages in, thread pools and allocator

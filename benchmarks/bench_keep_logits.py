@@ -1,9 +1,10 @@
-"""What keeping logits for the backward buys on CPU: fp32 log-prob (with and without entropy) at several
-``keep_logits_bytes`` budgets, against naive torch, forward + backward, interleaved in one process.
+"""What keeping logits for the backward buys on CPU: fp32 log-prob (with and without entropy) keeping several
+amounts of logits (a ``memory_budget`` of the tiles plus that much), against naive torch, forward + backward,
+interleaved in one process.
 
 The backward of ``fused_logprobs`` needs each tile's logits again; what the forward kept it reads, the rest it
-recomputes (one product of N x H x V multiply-adds for all of it). The default budget, ``KEEP_LOGITS_BYTES``,
-comes from this trade-off: time against the memory the kept logits take (N x V x 4 bytes for all of them).
+recomputes (one product of N x H x V multiply-adds for all of it). The op's ``memory_budget`` makes this
+trade-off: time against the memory the kept logits take (N x V x 4 bytes for all of them).
 
     python benchmarks/bench_keep_logits.py --shape 8192x32768 --keep-mib 0 512 1024
 
@@ -24,12 +25,15 @@ import bench_integrations as bi  # noqa: E402
 
 from bitrl.kernels import fused_logprobs  # noqa: E402
 from bitrl.kernels.bench_stats import interleaved_times, machine, merge_json  # noqa: E402
+from bitrl.kernels.fused_logprobs import tile_bytes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_keep_logits.json"
 
 
 def bitrl(x: dict, keep_bytes: int, entropy: bool):
+    """fused_logprobs with a memory budget of its tiles plus ``keep_bytes`` of kept products."""
     h, y = x["h"].reshape(-1, bi.H), x["y"].reshape(-1)
+    budget = tile_bytes(h.shape[0], x["w"].shape[0], h, "logprobs") + keep_bytes
 
     def run():
         lp, ent = fused_logprobs(
@@ -38,7 +42,7 @@ def bitrl(x: dict, keep_bytes: int, entropy: bool):
             y,
             temperature=bi.TEMPERATURE,
             impl="torch",
-            keep_logits_bytes=keep_bytes,
+            memory_budget=budget,
             return_entropy=entropy,
         )
         (lp.sum() + (ent.sum() if entropy else 0.0)).backward()

@@ -33,27 +33,19 @@ RESULTS = Path(__file__).resolve().parent / "results" / "bench_loss_chunks.json"
 CONFIGS = {"one-pass32": 32, "one-pass16": 16, "one-pass8": 8, "tiles": None}
 
 loss_mod = importlib.import_module("bitrl.kernels.policy_loss.fused_linear")
-DEFAULT_PATH = loss_mod._torch_path
-DEFAULTS = loss_mod.ONE_PASS_CHUNK_BYTES, loss_mod.ONE_PASS_MIN_TOKENS
+DEFAULT_MIN_TOKENS = loss_mod.ONE_PASS_MIN_TOKENS
 
 
-def configure(name: str) -> None:
-    """Select a configuration: one pass with chunks of K MiB, or tiles for every token."""
+def configure(name: str) -> int:
+    """Select a configuration: one pass with chunks of K MiB (the memory budget), or the tiles alone
+    (budget 0); returns the budget."""
     mib = CONFIGS[name]
-    loss_mod.ONE_PASS_CHUNK_BYTES, loss_mod.ONE_PASS_MIN_TOKENS = DEFAULTS
-    loss_mod._torch_path = DEFAULT_PATH
-    if mib is None:
-        loss_mod._torch_path = lambda impl, hidden, B, T, V, chunk_size, token_level=False: (
-            True,
-            (max(1, B), None),
-        )
-    else:
-        loss_mod.ONE_PASS_CHUNK_BYTES, loss_mod.ONE_PASS_MIN_TOKENS = mib * 2**20, 1
+    loss_mod.ONE_PASS_MIN_TOKENS = DEFAULT_MIN_TOKENS if mib is None else 1
+    return 0 if mib is None else mib * 2**20
 
 
 def peak_memory_child(N: int, V: int, name: str) -> float:
-    configure(name)
-    fn = bi.variant_fn("grpo_loss", "bitrl")
+    fn = bi.variant_fn("grpo_loss", "bitrl", memory_budget=configure(name))
     fn(bi.make_inputs(64, 512, torch.float32))
     x = bi.make_inputs(N, V, torch.float32)
     return rss_growth_mib(lambda: fn(x))[0]
@@ -75,10 +67,10 @@ def main(argv=None) -> int:
     for name in CONFIGS:
         cmd = [sys.executable, __file__, "--_child", str(N), str(V), name]
         memory[name] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    fn = bi.variant_fn("grpo_loss", "bitrl")
+    fns = {name: bi.variant_fn("grpo_loss", "bitrl", memory_budget=configure(name)) for name in CONFIGS}
     x = bi.make_inputs(N, V, torch.float32)
     times = interleaved_times(
-        {name: (lambda: fn(x)) for name in CONFIGS},
+        {name: (lambda fn=fns[name]: fn(x)) for name in CONFIGS},
         args.reps,
         setup=lambda name: (configure(name), bi.reset_grads(x)),
     )

@@ -3,14 +3,15 @@
 Public API::
 
     fused_logprobs(hidden, weight, targets, *, temperature=1.0, bias=None, ignore_index=-100,
-                   return_entropy=True, impl=None, chunk_size=None, keep_logits_bytes=None,
+                   return_entropy=True, impl=None, chunk_size=None, memory_budget=None,
                    check_finite=True) -> (logprobs [N] fp32, entropy [N] fp32 | None)
     policy_loss(logprobs, old_logprobs, advantages, mask, config=LossConfig(...), *, ref_logprobs=None,
                 entropy=None, rollout_logprobs=None, is_weights=None, impl=None) -> (loss, metrics)
     fused_linear_policy_loss(hidden, weight, targets, old_logprobs, advantages, mask=None, config=None, *,
                              bias=None, temperature=1.0, ignore_index=-100, ref_logprobs=None,
                              rollout_logprobs=None, is_weights=None, compute_entropy=False,
-                             chunk_size=None, check_finite=True, impl=None) -> (loss, metrics)
+                             chunk_size=None, memory_budget=None, check_finite=True,
+                             impl=None) -> (loss, metrics)
 
 Every option of the loss (loss_type, loss_agg_mode, eps_low, eps_high, kl_coef, correction, ...) is a field of
 ``LossConfig``.

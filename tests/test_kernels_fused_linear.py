@@ -18,6 +18,7 @@ from test_kernels_helpers import (
     needs_triton,
     triton_device,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bitrl.integrations.liger import FusedLinearGRPOLoss
 from bitrl.kernels import (
@@ -167,10 +168,15 @@ def test_token_chunks_cross_sequences_exactly(loss_type, monkeypatch):
     monkeypatch.setattr(flpl, "ONE_PASS_MIN_TOKENS", 1)
     monkeypatch.setattr(numerics, "LOGITS_BLOCK", 16)  # each chunk's logits in blocks of 16, 16 and 9 columns
     for tokens in (1, 4, 7):
-        monkeypatch.setattr(flpl, "ONE_PASS_CHUNK_BYTES", tokens * V * 8)
-        tiled, (rows, per_chunk) = flpl._torch_path("torch", h.reshape(B * T, -1), B, T, V, None, token_level)
-        assert not tiled and per_chunk == (tokens if token_level else None)
-        got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, cfg, impl="torch", **kw)
+        budget = tokens * V * 8 * 2  # fp64 logits and the entropy buffer of that many tokens
+        h2 = h.reshape(B * T, -1)
+        tiled, (rows, per_chunk) = flpl._torch_path("torch", h2, B, T, V, None, token_level, budget, True)
+        # a sequence-level loss keeps whole sequences (T = 6 tokens): one per chunk at 7, tiles below
+        assert tiled == (not token_level and tokens < T)
+        assert per_chunk == (tokens if token_level else None)
+        got = _run(
+            fused_linear_policy_loss, h, w, y, old, adv, mask, cfg, impl="torch", memory_budget=budget, **kw
+        )
         for name, a, b in zip(("loss", "d_hidden", "d_weight"), got[:3], want[:3]):
             assert_close(a, b, atol=1e-10, rtol=1e-10, what=f"{tokens} tokens: {name}")
         assert got[3].keys() == want[3].keys()
@@ -188,19 +194,21 @@ def test_sequences_longer_than_a_tile_take_tiles(dtype, loss_type, monkeypatch):
     h, w, y, old, adv, mask, ref, roll = _case(B=B, T=T, V=V, dtype=dtype, seed=5)
     mask[1, 5:9] = 0  # a hole inside a sequence: the active rows are not one run
     monkeypatch.setattr(tiled_cpu, "TILE_MIN_VOCAB", 16)
-    monkeypatch.setattr(flpl, "ONE_PASS_SEQUENCE_BYTES", 1024)
-    monkeypatch.setattr(flpl, "ONE_PASS_CHUNK_BYTES", 1024)
-    # the logits of one sequence (24 x 41 fp32), and of ONE_PASS_MIN_TOKENS tokens, exceed the budgets;
-    # tiles of 7 tokens x 16 columns
+    # the logits of one sequence (24 x 41), and of ONE_PASS_MIN_TOKENS tokens, exceed the memory budget;
+    # tiles of 7 tokens x 16 columns, and the budget's rest keeps a few columns of products
+    budget = 1024
     monkeypatch.setitem(tiled_cpu.TILE_BYTES["loss"], "cpu", 7 * 16 * torch.finfo(dtype).bits // 8)
     token_level = loss_type == "grpo"
-    assert flpl._torch_path("torch", h.reshape(B * T, -1), B, T, V, None, token_level) == (True, (B, None))
+    path = flpl._torch_path("torch", h.reshape(B * T, -1), B, T, V, None, token_level, budget, True)
+    assert path == (True, (B, None))
     cfg = LossConfig(**LOSS | dict(loss_type=loss_type, loss_agg_mode="token-mean"))
     kw = dict(KW, ref_logprobs=ref, rollout_logprobs=roll)
     args64 = [x.double() if x.is_floating_point() else x for x in (h, w, y, old, adv, mask)]
     kw64 = dict(kw, ref_logprobs=ref.double(), rollout_logprobs=roll.double())
     want = _run(fused_linear_policy_loss_reference, *args64, cfg, **kw64)
-    got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, cfg, impl="torch", **kw)
+    got = _run(
+        fused_linear_policy_loss, h, w, y, old, adv, mask, cfg, impl="torch", memory_budget=budget, **kw
+    )
     tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-6, rtol=1e-5)
     for name, a, b in zip(("loss", "d_hidden", "d_weight"), got[:3], want[:3]):
         assert a.dtype == (torch.float32 if name == "loss" and dtype == torch.float32 else dtype), name
@@ -218,8 +226,8 @@ def test_low_precision_weights_get_no_fp32_weight_sized_buffer(dtype, cpu_bf16_m
     tile_bytes = B * T * 128 * tile_elem_bytes(dtype, entropy=False)
     monkeypatch.setitem(tiled_cpu.TILE_BYTES["loss"], "cpu", tile_bytes)
     spy = LargestFp32Tensor()
-    with spy:
-        got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch")
+    with spy:  # the tight budget: no kept products either (fp32 where the matmuls run in fp32)
+        got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", memory_budget=0)
     assert got[2].dtype == dtype and got[1].dtype == dtype
     assert 0 < spy.largest <= V * H // 4, f"an fp32 tensor of {spy.largest} elements (V x H = {V * H})"
     args64 = [x.double() if x.is_floating_point() else x for x in (h, w, y, old, adv, mask)]
@@ -239,15 +247,14 @@ def test_fp32_working_set_is_one_chunk_beside_the_gradients(path, monkeypatch):
     h, w, y, old, adv, mask, _, _ = _case(B=B, T=T, H=H, V=V, dtype=torch.float32, seed=3)
     mask[1, 40:] = 0  # n = 153 active tokens: [n, H] is 4.8x a chunk
     chunk_bytes = 16 * V * 4
-    # tiles: a chunk of the fewest tokens would exceed the loss op's tile budget
+    # tiles: a chunk of the fewest tokens would exceed the memory budget, which the tiles then take whole
     monkeypatch.setattr(flpl, "ONE_PASS_MIN_TOKENS", 1 if path == "one-pass" else B * T)
     monkeypatch.setitem(tiled_cpu.TILE_BYTES["loss"], "cpu", chunk_bytes)
-    monkeypatch.setattr(flpl, "ONE_PASS_CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(tiled_cpu, "TOKEN_TILE_ROWS", 16)
     monkeypatch.setattr(numerics, "LOGITS_BLOCK", 64)
     spy = LargeFp32Storages(limit=chunk_bytes)
     with spy:
-        got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch")
+        got = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", memory_budget=chunk_bytes)
     # h and w (seen through the detach in _run), the clones _run makes, and their two gradients
     assert sorted(spy.sizes.values()) == [B * T * H * 4] * 3 + [V * H * 4] * 3, spy.sizes
     want = _run(
@@ -295,6 +302,63 @@ def test_validation_errors_name_the_argument():
         fused_linear_policy_loss(h, w, y, old, adv, mask, temperature=0.0)
     with pytest.raises(ValueError, match="hidden"):
         fused_linear_policy_loss(h * float("nan"), w, y, old, adv, mask)
+    for bad in (-1, 0.5, "512MiB", True, float("nan")):
+        with pytest.raises(ValueError, match="memory_budget"):
+            fused_linear_policy_loss(h, w, y, old, adv, mask, impl="torch", memory_budget=bad)
+
+
+class MultiplyAdds(TorchDispatchMode):
+    """The multiply-adds of the matrix products (mm, addmm) run inside the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.madds = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            a, b = args[-2:]
+            self.madds += a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
+def test_memory_budget_picks_three_products_or_the_tiles(dtype, cpu_bf16_matmul):
+    """GRPO with padding at a budget that holds the 3-product form's working set (fp32: chunks of the active
+    tokens' logits; bf16/fp16: the tiles and every active token's products) runs 3 products of
+    n x H x V (n active tokens); just below it (fp32: fewer than ONE_PASS_MIN_TOKENS tokens' logits) or
+    at 0, the two-pass tiles recompute what they did not keep (4 products at 0); the same loss and gradients
+    (fp32 within its rounding, bf16/fp16 bit for bit), as accurate as unfused."""
+    flpl = importlib.import_module("bitrl.kernels.policy_loss.fused_linear")
+    B, T, H, V = 4, 40, 16, 256
+    h, w, y, old, adv, mask, _, _ = _case(B=B, T=T, H=H, V=V, dtype=dtype, seed=9)
+    n = int(mask.sum())
+    h2 = h.reshape(B * T, H)
+    if dtype == torch.float32:  # ONE_PASS_MIN_TOKENS (128) tokens' fp32 logits, no entropy
+        fits, below = 128 * V * 4, 128 * V * 4 - 1
+        assert flpl._torch_path("torch", h2, B, T, V, None, True, fits) == (False, (B, 128))
+        assert flpl._torch_path("torch", h2, B, T, V, None, True, below)[0]
+    else:
+        fits = tiled_cpu.tile_bytes(n, V, h2, "loss") + n * V * tiled_cpu.tile_matmul_dtype(h2).itemsize
+        below = fits - n  # all but one column kept
+        assert tiled_cpu.kept_columns(n, V, h2, "loss", fits) == V
+        assert tiled_cpu.kept_columns(n, V, h2, "loss", below) == V - 1
+    runs, products = {}, {}
+    for budget in (fits, below, 0):
+        meter = MultiplyAdds()
+        with meter:
+            runs[budget] = _run(
+                fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", memory_budget=budget
+            )
+        products[budget] = meter.madds / (n * H * V)
+    assert products[fits] == 3 and products[0] == 4 and 3 < products[below] <= 4, products
+    args64 = [x.double() if x.is_floating_point() else x for x in (h, w, y, old, adv, mask)]
+    want = _run(fused_linear_policy_loss_reference, *args64)
+    unf = _run(fused_linear_policy_loss_reference, h, w, y, old, adv, mask)
+    for i, name in enumerate(("loss", "d_hidden", "d_weight")):
+        for budget in (below, 0):
+            tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)
+            assert_close(runs[budget][i], runs[fits][i], **tol, what=f"{dtype} {name} at {budget}")
+        assert_as_accurate(runs[fits][i], unf[i], want[i], atol=1e-6, rtol=1e-5, what=f"{dtype} {name}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -518,7 +582,8 @@ def test_tiles_narrower_and_wider_than_hidden_against_formula(
     elem = tile_elem_bytes(dtype, entropy=bool(entropy_coef)) if dtype != torch.float32 else 8
     monkeypatch.setitem(tiled_cpu.TILE_BYTES["loss"], "cpu", elem * B * T * (8 if cols == "narrow" else 64))
     cfg = LossConfig(entropy_coef=entropy_coef, loss_type="grpo", loss_agg_mode="token-mean")
-    kw = dict(temperature=0.7, bias=bias)
+    # seed 1 at the tight budget (every tile recomputed), the others at the default (products kept)
+    kw = dict(temperature=0.7, bias=bias, memory_budget=0 if seed == 1 else None)
 
     def run(fn, hh, ww, bb, **extra):
         hh = hh.detach().clone().requires_grad_(True)
@@ -532,7 +597,7 @@ def test_tiles_narrower_and_wider_than_hidden_against_formula(
     )
     unf = run(
         lambda a, b_, c: fused_linear_policy_loss_reference(
-            a, b_, y, old, adv, mask, cfg, **dict(kw, bias=c)
+            a, b_, y, old, adv, mask, cfg, **dict(kw, bias=c, memory_budget=None)
         )[0],
         h,
         w,

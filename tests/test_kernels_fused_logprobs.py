@@ -85,9 +85,22 @@ def _tile_bytes(nbytes: int):
 # (tile bytes, chunk_size): one tile; every token in each tile with 3 vocabulary blocks (a bf16 tile element
 # takes 10 bytes with entropy, fp32 8); tiles of a few tokens by 64 columns
 TILES = {"one": (0, None), "vocab-blocks": (10 * 260 * 40, None), "small": (700, 16)}
-# keep_logits_bytes: every tile recomputed in the backward; the columns of a few tiles kept, the edge inside
-# a tile (40 tokens x 150 fp32 or 300 bf16 columns); everything kept (the CPU default at these sizes)
+# bytes of kept products beside the tiles: every tile recomputed in the backward; the columns of a few tiles
+# kept, the edge inside a tile (40 tokens x 150 fp32 or 300 bf16 columns); everything kept (the CPU default
+# memory_budget at these sizes)
 KEEP = {"recompute": 0, "part": 40 * 600, "all": None}
+
+
+def _budget(keep, h, V, n=None, impl="torch", chunk=None):
+    """The memory_budget that keeps ``keep`` bytes of products beside the engine's own buffers (the tiles,
+    or the Triton path's [chunk, V] fp32 workspace); None (the default budget) for None. Call it where the
+    tile budget in force is the one the op will see."""
+    if keep is None:
+        return None
+    n = h.shape[0] if n is None else n
+    if impl == "torch":
+        return tiled_cpu.tile_bytes(n, V, h, "logprobs") + keep
+    return min(chunk or n, n) * V * 4 + keep
 
 
 @pytest.mark.parametrize("keep", list(KEEP))
@@ -104,7 +117,7 @@ def test_torch_path_as_accurate_as_unfused(dtype, per_token_t, tiles, keep, cpu_
     unfused = _run(fused_logprobs_reference, h, w, y, b, temperature=t)
     tile_bytes, chunk = TILES[tiles]
     with _tile_bytes(tile_bytes):
-        kw = dict(temperature=t, impl="torch", chunk_size=chunk, keep_logits_bytes=KEEP[keep])
+        kw = dict(temperature=t, impl="torch", chunk_size=chunk, memory_budget=_budget(KEEP[keep], h, V))
         fused = _run(fused_logprobs, h, w, y, b, **kw)
     for name, f, u, r in zip(NAMES, fused, unfused, ref):
         assert_as_accurate(f, u, r, atol=1e-5, rtol=1e-5, what=f"{dtype} {name}")
@@ -237,8 +250,8 @@ def test_low_precision_weights_get_no_fp32_weight_sized_buffer(dtype, cpu_bf16_m
         tiled_cpu.TILE_BYTES["logprobs"], "cpu", N * 128 * tile_elem_bytes(dtype, entropy=True)
     )
     spy = LargestFp32Tensor()
-    with spy:  # no kept logits either (their budget is tested on its own)
-        got = _run(fused_logprobs, h, w, y, impl="torch", keep_logits_bytes=0)
+    with spy:  # no kept logits either (the tight budget; the budget is tested on its own)
+        got = _run(fused_logprobs, h, w, y, impl="torch", memory_budget=0)
     assert got[2].dtype == dtype and got[3].dtype == dtype
     assert 0 < spy.largest <= V * H // 4, f"an fp32 tensor of {spy.largest} elements (V x H = {V * H})"
     ref, unfused = _ref64(h, w, y), _run(fused_logprobs_reference, h, w, y)
@@ -284,8 +297,9 @@ def _check_torch_case(N, H, V, chunk, tile, scale, per_token, ignore_frac, neg_i
     h, w, y, b, t = _property_case(N, H, V, scale, per_token, ignore_frac, neg_inf, seed)
     ref = _ref64(h, w, y, b, temperature=t)
     with _tile_bytes(tile):
+        budget = _budget(keep, h, V)
         got = _run(
-            fused_logprobs, h, w, y, b, temperature=t, impl="torch", chunk_size=chunk, keep_logits_bytes=keep
+            fused_logprobs, h, w, y, b, temperature=t, impl="torch", chunk_size=chunk, memory_budget=budget
         )
     unf = _run(fused_logprobs_reference, h, w, y, b, temperature=t)
     for name, g, u, r in zip(NAMES, got, unf, ref):
@@ -324,7 +338,7 @@ def test_property_triton_matches_fp64(N, H, V, keep, scale, per_token, ignore_fr
         temperature=tt,
         impl="triton",
         chunk_size=4,
-        keep_logits_bytes=keep,
+        memory_budget=_budget(keep, h, V, impl="triton", chunk=4),
     )
     unf = _run(fused_logprobs_reference, h, w, y, b, temperature=t)
     for name, g, u, r in zip(NAMES, got, unf, ref):
@@ -364,8 +378,9 @@ def test_kept_logits_skip_the_recomputation(impl):
     runs = {}
     for keep in (0, 15 * V * 4 // 2, 15 * V * 4):
         with _tile_bytes(15 * 256 * 8):  # 5 vocabulary blocks of 256 columns (torch)
+            budget = _budget(keep, h, V, n=15, impl=impl, chunk=chunk)
             lp, ent = fused_logprobs(
-                h, w, y, bias=b, temperature=0.8, impl=impl, chunk_size=chunk, keep_logits_bytes=keep
+                h, w, y, bias=b, temperature=0.8, impl=impl, chunk_size=chunk, memory_budget=budget
             )
             counter = CountProducts()
             with counter:
@@ -380,13 +395,60 @@ def test_kept_logits_skip_the_recomputation(impl):
         for name, got, want in zip(NAMES, run[:4], runs[0][:4]):
             assert_close(got.cpu(), want.cpu(), atol=1e-6, rtol=1e-6, what=f"keep {keep} {name}")
     # no more than the budget, and nothing at all without a gradient to compute
-    budget = 15 * V * 2
     for grad_mode in (True, False):
         counter = CountProducts()
         with _tile_bytes(15 * 256 * 8), counter, torch.set_grad_enabled(grad_mode):
-            fused_logprobs(h, w, y, bias=b, impl=impl, chunk_size=chunk, keep_logits_bytes=budget)
-        limit = budget if grad_mode else 15 * 256 * 8
+            budget = _budget(15 * V * 2, h, V, n=15, impl=impl, chunk=chunk)
+            fused_logprobs(h, w, y, bias=b, impl=impl, chunk_size=chunk, memory_budget=budget)
+        limit = 15 * V * 2 if grad_mode else 15 * 256 * 8
         assert counter.largest <= max(limit, V * H * 4), (grad_mode, counter.largest)
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
+def test_memory_budget_picks_three_products_or_the_tiles(dtype, cpu_bf16_matmul):
+    """A budget that holds the tiles and every active token's products runs 3 products of N x H x V (the
+    logits formed once); one byte less keeps all but a column, and a budget below the tiles runs the two
+    passes alone (4 products); all of them give the same values and gradients, as accurate as unfused."""
+    N, H, V = 24, 16, 512
+    h, w, y, b = _inputs(N, H, V, dtype, bias=True)
+    y[2] = -100  # 23 active tokens
+    n = N - 1
+    mm_bytes = tiled_cpu.tile_matmul_dtype(h).itemsize
+    fits = tiled_cpu.tile_bytes(n, V, h, "logprobs") + n * V * mm_bytes
+    assert tiled_cpu.kept_columns(n, V, h, "logprobs", fits) == V
+    assert tiled_cpu.kept_columns(n, V, h, "logprobs", fits - 1) == V - 1
+    assert tiled_cpu.kept_columns(n, V, h, "logprobs", 0) == 0
+    madds = {}
+    runs = {}
+    for budget in (fits, 0):
+        meter = CountMultiplyAdds()
+        with meter:
+            runs[budget] = _run(
+                fused_logprobs, h, w, y, b, temperature=0.9, impl="torch", memory_budget=budget
+            )
+        madds[budget] = meter.madds / (n * H * V)
+    assert madds == {fits: 3, 0: 4}
+    ref, unf = (
+        _ref64(h, w, y, b, temperature=0.9),
+        _run(fused_logprobs_reference, h, w, y, b, temperature=0.9),
+    )
+    for name, one, two, u, r in zip(NAMES, runs[fits], runs[0], unf, ref):
+        assert_close(one, two, atol=0, rtol=0, what=f"{dtype} {name}: the same products kept or recomputed")
+        assert_as_accurate(one, u, r, atol=1e-5, rtol=1e-5, what=f"{dtype} {name}")
+
+
+class CountMultiplyAdds(TorchDispatchMode):
+    """The multiply-adds of the matrix products (mm, addmm) run inside the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.madds = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in PRODUCTS:
+            a, bm = args[-2:]
+            self.madds += a.shape[0] * a.shape[1] * bm.shape[1]
+        return func(*args, **(kwargs or {}))
 
 
 def test_validation_errors_name_the_argument():
@@ -405,7 +467,11 @@ def test_validation_errors_name_the_argument():
         (dict(weight=torch.full_like(w, float("inf"))), "weight"),
         (dict(bias=torch.full_like(b, float("nan"))), "bias"),
         (dict(impl="cuda-magic"), "impl"),
-        (dict(keep_logits_bytes=-1), "keep_logits_bytes"),
+        (dict(memory_budget=-1), "memory_budget"),
+        (dict(memory_budget=1.5), "memory_budget"),
+        (dict(memory_budget="1GiB"), "memory_budget"),
+        (dict(memory_budget=True), "memory_budget"),
+        (dict(memory_budget=float("inf")), "memory_budget"),
     ]
     for over, name in cases:
         args = dict(hidden=h, weight=w, targets=y, bias=b)

@@ -4,8 +4,8 @@
 
 Files, by implementation (``impl=``, or ``BITRL_KERNEL_IMPL``):
 
-* op.py - the public op: input validation, chunk and kept-logits defaults, and the autograd Function, which
-  hands forward and backward to one engine per call (``logprobs_engine``).
+* op.py - the public op: input validation, chunk defaults, the memory budget, and the autograd Function,
+  which hands forward and backward to one engine per call (``logprobs_engine``).
 * reference.py - ``"reference"``: the naive unfused torch formula (``linear -> /T -> log_softmax -> gather``)
   in the input dtype. The tests run it in fp64 as ground truth and in the native dtype as the "unfused"
   baseline.
@@ -22,9 +22,10 @@ Files, by implementation (``impl=``, or ``BITRL_KERNEL_IMPL``):
   (``TorchRows``) is the loss op's one-pass CPU path.
 * numerics.py - what the engines share: matmul and accumulation dtypes, ``NEG_LOGIT``, ``exp_``.
 
-Both engines recompute each tile's logits in the backward, except those the forward kept: up to
-``keep_logits_bytes`` of them (``KEEP_LOGITS_BYTES``: 512 MiB on CPU, where that saves one product of the
-four, ~20% of the op's time; nothing on CUDA). Kept or recomputed, they are the same products h W^T.
+Both engines recompute each tile's logits in the backward, except those the forward kept: what the
+``memory_budget`` leaves beside the tiles or chunk (``numerics.MEMORY_BUDGET``: 1 GiB on CPU, where keeping
+all of them saves one product of the four, ~20% of the op's time; 0 on CUDA). Kept or recomputed, they are
+the same products h W^T.
 
 Numerics: log-sum-exp, entropy and dW accumulate in fp32 (fp64 when the inputs are fp64). On the torch
 backend, bf16 inputs multiply in bf16 where the CPU has bf16 units (fp32 accumulation inside the GEMM, logits
@@ -41,9 +42,8 @@ module that defines them: set them there, not on this package.
 
 from .chunked import ChunkEngine, addmm_acc_, mm_acc_
 from .host_tiles import host_tile_grad, host_tile_stats
-from .numerics import NEG_LOGIT, acc_dtype, device_budget, exp_
+from .numerics import MEMORY_BUDGET, NEG_LOGIT, acc_dtype, device_budget, exp_, resolve_memory_budget
 from .op import (
-    KEEP_LOGITS_BYTES,
     FusedLogprobsFunction,
     check_linear_outputs,
     default_chunk_size,
@@ -51,13 +51,13 @@ from .op import (
     validate_linear_inputs,
 )
 from .reference import fused_logprobs_reference
-from .tiled_cpu import TILE_BYTES, TiledLinearSoftmax
+from .tiled_cpu import TILE_BYTES, TiledLinearSoftmax, kept_columns, tile_bytes
 from .triton_rows import BLOCK_V_MAX, BLOCK_V_MIN, row_grad_triton, row_stats_triton
 
 __all__ = [
     "BLOCK_V_MAX",
     "BLOCK_V_MIN",
-    "KEEP_LOGITS_BYTES",
+    "MEMORY_BUDGET",
     "NEG_LOGIT",
     "TILE_BYTES",
     "ChunkEngine",
@@ -71,10 +71,13 @@ __all__ = [
     "exp_",
     "fused_logprobs",
     "fused_logprobs_reference",
+    "kept_columns",
     "host_tile_grad",
     "host_tile_stats",
     "mm_acc_",
+    "resolve_memory_budget",
     "row_grad_triton",
     "row_stats_triton",
+    "tile_bytes",
     "validate_linear_inputs",
 ]

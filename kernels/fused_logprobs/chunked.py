@@ -230,8 +230,9 @@ class ChunkEngine:
 
 class ChunkedLogprobs:
     """``fused_logprobs`` on ``ChunkEngine``, chunk by chunk of the active tokens: the forward keeps the
-    logits of the first whole chunks that fit in ``keep_bytes`` and drops the others, which the backward
-    recomputes. ``inputs``: (hidden, weight, bias, y, valid, inv_t, index), as ``ChunkEngine`` takes them."""
+    logits of the first whole chunks that fit in what the memory budget leaves beside the chunk's workspace
+    and drops the others, which the backward recomputes. ``inputs``: (hidden, weight, bias, y, valid, inv_t,
+    index), as ``ChunkEngine`` takes them."""
 
     def __init__(self, *, chunk, backend, unit_temperature):
         self.chunk, self.backend, self.unit_t = chunk, backend, unit_temperature
@@ -249,13 +250,17 @@ class ChunkedLogprobs:
             fill=fill,
         )
 
-    def forward(self, inputs, lp, ent, *, need_ent, keep_bytes):
-        """Writes the active tokens' log-probs (and entropies) into lp, ent [N]; returns (kept logits,)."""
+    def forward(self, inputs, lp, ent, *, need_ent, budget):
+        """Writes the active tokens' log-probs (and entropies) into lp, ent [N]; returns (kept logits,).
+        ``budget``: bytes of the workspace and kept logits (0 when no gradient will be asked for)."""
         hidden, weight, *_, index = inputs
         n, chunk = hidden.shape[0] if index is None else index.numel(), self.chunk
         acc = acc_dtype(hidden)
-        # whole chunks of rows: each one is either kept or recomputed
-        row_bytes = weight.shape[0] * torch.finfo(acc).bits // 8
+        # whole chunks of rows: each one is either kept or recomputed; the [chunk, V] workspace (two with the
+        # entropy on the torch rows) comes out of the budget first
+        row_bytes = weight.shape[0] * acc.itemsize
+        work = min(chunk, max(n, 1)) * row_bytes * (2 if need_ent and self.backend == "torch" else 1)
+        keep_bytes = max(0, budget - work)
         k = min(n, keep_bytes // (row_bytes * chunk) * chunk)
         kept = torch.empty(k, weight.shape[0], dtype=acc, device=hidden.device) if k else None
         eng = self._engine(inputs, need_ent, kept, fill=True)

@@ -1,4 +1,4 @@
-"""The public op ``fused_logprobs``: input validation, chunk and kept-logits defaults, and the autograd
+"""The public op ``fused_logprobs``: input validation, chunk defaults, the memory budget, and the autograd
 Function, which hands forward and backward to the one engine that runs ``impl``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from .._common import FLOAT_DTYPES, all_finite, check_same_device, check_tensor, resolve_impl
 from .chunked import ChunkedLogprobs
-from .numerics import acc_dtype, device_budget
+from .numerics import acc_dtype, device_budget, resolve_memory_budget
 from .reference import fused_logprobs_reference
 from .tiled_cpu import TiledLogprobs
 
@@ -17,13 +17,6 @@ from .tiled_cpu import TiledLogprobs
 # each chunk's matmuls run at full speed (1024 tokens at V = 32k measured ~3% faster than 512); on a GPU,
 # chunks must be large enough to fill the machine.
 CHUNK_BYTES = {"cpu": 128 * 2**20, "cuda": 1024 * 2**20}
-
-# Bytes of logits the engines keep from the forward for the backward (``keep_logits_bytes``): a kept
-# block skips its recomputation, the one product of the four (logits, logits again, dh, dW) that
-# the unfused path does not run. On a 2-core CPU (~120 GFLOP/s) keeping all of N=4096 V=32768 H=1024
-# took the op from 8.45 to 6.62 s (benchmarks/bench_gemm_floor.py), for 512 MiB of host memory; on a GPU
-# that memory holds the model and its activations, and the product is fast, so nothing is kept by default.
-KEEP_LOGITS_BYTES = {"cpu": 512 * 2**20, "cuda": 0}
 
 
 def default_chunk_size(vocab: int, device: torch.device | str = "cpu", budget_bytes: int | None = None):
@@ -92,9 +85,10 @@ class LogprobsEngine(Protocol):
     bias [V] | None, y [N] int64 targets (0 where ignored), valid [N] bool, inv_t [N], index: the sorted
     active token ids, or None when every token is active)."""
 
-    def forward(self, inputs, lp, ent, *, need_ent: bool, keep_bytes: int) -> tuple:
+    def forward(self, inputs, lp, ent, *, need_ent: bool, budget: int) -> tuple:
         """Write the active tokens' log-probs (and entropies) into lp, ent [N] (zeros); return the tensors the
-        backward needs beside the inputs."""
+        backward needs beside the inputs. ``budget``: bytes of [tokens x vocabulary] buffers the engine may
+        hold (its tiles or chunk workspace, then logits kept for the backward); 0 without a gradient."""
 
     def backward(self, inputs, saved: tuple, g_lp, g_ent, needs: tuple) -> tuple:
         """(dh, dW, db), each None when not needed, from the [N] gradients (masked, in the accumulation
@@ -116,7 +110,7 @@ class FusedLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, targets, inv_t, ignore_index, need_ent, chunk, backend, unit_t, keep_bytes
+        ctx, hidden, weight, bias, targets, inv_t, ignore_index, need_ent, chunk, backend, unit_t, budget
     ):
         N, _ = hidden.shape
         acc = acc_dtype(hidden)
@@ -127,7 +121,7 @@ class FusedLogprobsFunction(torch.autograd.Function):
         ent = torch.zeros(N if need_ent else 0, dtype=acc, device=hidden.device)
         engine = logprobs_engine(backend, chunk=chunk, unit_temperature=unit_t)
         inputs = (hidden, weight, bias, y, valid, inv_t, index)
-        saved = engine.forward(inputs, lp, ent, need_ent=need_ent, keep_bytes=keep_bytes)
+        saved = engine.forward(inputs, lp, ent, need_ent=need_ent, budget=budget)
         ctx.save_for_backward(*inputs, *saved)
         ctx.engine = engine  # settings only: the tensors are saved above
         ctx.set_materialize_grads(False)
@@ -166,7 +160,7 @@ def fused_logprobs(
     return_entropy: bool = True,
     impl: str | None = None,
     chunk_size: int | None = None,
-    keep_logits_bytes: int | None = None,
+    memory_budget: int | None = None,
     check_finite: bool = True,
 ):
     """Log-prob (and entropy) of ``targets`` under softmax((hidden @ weight.T + bias) / temperature).
@@ -180,9 +174,16 @@ def fused_logprobs(
         return_entropy: also return the entropy of each row's distribution.
         impl: ``"triton" | "torch" | "reference"``; default from ``BITRL_KERNEL_IMPL`` or the device.
         chunk_size: tokens per chunk (default: about 128 MiB of fp32 logits on CPU, 1 GiB on CUDA).
-        keep_logits_bytes: bytes of logits the forward may keep for the backward, which then skips their
-            recomputation (the same values); default ``KEEP_LOGITS_BYTES`` of the device: 512 MiB on CPU,
-            0 on CUDA. 0 recomputes everything. Nothing is kept when no input requires a gradient.
+        memory_budget: bytes of [tokens x vocabulary] buffers the op may hold at once, beyond its inputs,
+            outputs and [N]-sized statistics; it picks time against memory. The tiles (``TILE_BYTES``,
+            128 MiB on CPU, or the whole [n, V] at 8 + 2 bytes an element when less; n active tokens) or the
+            Triton path's chunk come first; what is left keeps the products h W^T of the first vocabulary
+            columns of every active token (n x k in the matmul dtype: 4 bytes for fp32 and fp16 inputs on
+            CPU, 2 for bf16 where the CPU has bf16 units) for the backward, which reads them instead of
+            multiplying again (the same values). All V columns kept: 3 products of N x H x V (the logits
+            formed once); none: 4 (every tile recomputed), the least memory. Default (None):
+            ``MEMORY_BUDGET`` of the device, 1 GiB on CPU, 0 on CUDA; the trainer passes what its memory
+            plan has to spare. Nothing is kept when no input requires a gradient.
         check_finite: raise ``ValueError`` naming the input when hidden, weight or bias hold NaN/inf, found
             from the [N] outputs (one device sync per call; the [V, H] weight is not scanned); ``False``
             skips it.
@@ -215,12 +216,9 @@ def fused_logprobs(
         if chunk <= 0:
             raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
         unit_t = not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0
-        if keep_logits_bytes is None:
-            keep_logits_bytes = device_budget(KEEP_LOGITS_BYTES, hidden.device)
-        if int(keep_logits_bytes) < 0:
-            raise ValueError(f"keep_logits_bytes: must be >= 0, got {keep_logits_bytes}")
+        budget = resolve_memory_budget(memory_budget, hidden.device)
         grads = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-        keep = int(keep_logits_bytes) if grads and torch.is_grad_enabled() else 0
+        budget = budget if grads and torch.is_grad_enabled() else 0
         lp, ent = FusedLogprobsFunction.apply(
             hidden,
             weight,
@@ -232,7 +230,7 @@ def fused_logprobs(
             chunk,
             impl,
             unit_t,
-            keep,
+            budget,
         )
         ent = ent if return_entropy else None
     if check_finite:

@@ -35,6 +35,25 @@ TILE_MIN_VOCAB = 256  # a tile holds every token when that leaves at least this 
 VOCAB_ALIGN = 64  # vocabulary tiles are multiples of this (below it, any size: the tests use tiny tiles)
 
 
+def tile_bytes(n: int, V: int, hidden: torch.Tensor, op: str) -> int:
+    """The most bytes the tiles of one pass over n active tokens hold: ``TILE_BYTES[op]`` of the device, or
+    the whole [n, V] at the largest element (fp32 logits, entropy buffer and low-precision product) when
+    that is less. What a ``memory_budget`` pays for first."""
+    acc, mm = acc_dtype(hidden), tile_matmul_dtype(hidden)
+    elem = 2 * acc.itemsize + (0 if mm == acc else mm.itemsize)
+    return min(device_budget(TILE_BYTES[op], hidden.device), n * V * elem)
+
+
+def kept_columns(n: int, V: int, hidden: torch.Tensor, op: str, budget: int) -> int:
+    """Vocabulary columns [0, k) of the n active tokens' products (h W^T in the matmul dtype) that fit in
+    what ``budget`` leaves beside the tiles (``tile_bytes``): the columns the gradient pass reads instead of
+    multiplying again. k = V is the 3-product form; k = 0 the two-pass tiles alone (4 products)."""
+    if n == 0:
+        return 0
+    spare = budget - tile_bytes(n, V, hidden, op)
+    return max(0, min(V, spare // (n * tile_matmul_dtype(hidden).itemsize)))
+
+
 def tile_shape(n: int, V: int, chunk: int, elem_bytes: int, budget: int) -> tuple[int, int]:
     """(tokens, vocabulary columns) of one tile within ``budget`` bytes, ``chunk`` tokens at most.
 
@@ -441,8 +460,9 @@ class TiledLinearSoftmax:
 class TiledLogprobs:
     """``fused_logprobs`` on ``TiledLinearSoftmax``: the statistics pass in the forward, the gradient pass in
     the backward (no forward recomputation); the forward keeps the products of the first vocabulary columns
-    of every active token that fit in ``keep_bytes``. ``inputs``: (hidden, weight, bias, y, valid, inv_t,
-    index), as ``TiledLinearSoftmax`` takes them."""
+    of every active token that fit in what the memory budget leaves beside the tiles (``kept_columns``: all
+    of them is the 3-product form). ``inputs``: (hidden, weight, bias, y, valid, inv_t, index), as
+    ``TiledLinearSoftmax`` takes them."""
 
     def __init__(self, *, chunk, unit_temperature):
         self.chunk, self.unit_t = chunk, unit_temperature
@@ -459,14 +479,15 @@ class TiledLogprobs:
             kept=kept,
         )
 
-    def forward(self, inputs, lp, ent, *, need_ent, keep_bytes):
+    def forward(self, inputs, lp, ent, *, need_ent, budget):
         """Writes the active tokens' log-probs (and entropies) into lp, ent [N]; returns (kept products, lse,
-        lse - E_p[z]), what the gradient pass reads."""
+        lse - E_p[z]), what the gradient pass reads. ``budget``: bytes of tiles and kept products (0 when
+        no gradient will be asked for)."""
         hidden, weight, *_, index = inputs
         n = hidden.shape[0] if index is None else index.numel()
         # vocabulary columns [0, k) of every active token
+        k = kept_columns(n, weight.shape[0], hidden, "logprobs", budget)
         mm = tile_matmul_dtype(hidden)
-        k = min(weight.shape[0], keep_bytes // max(1, n * torch.finfo(mm).bits // 8))
         kept = torch.empty(n, k, dtype=mm, device=hidden.device) if k else None
         lp_a, ent_a, lse, gap = self._engine(inputs, need_ent, kept).stats()
         rows = slice(None) if index is None else index

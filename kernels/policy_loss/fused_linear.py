@@ -13,9 +13,10 @@ returns ``(loss, metrics)`` exactly like ``policy_loss`` applied to ``fused_logp
 
 On the torch backend (CPU), bf16 and fp16 weights take two passes over [tokens x vocabulary] tiles instead
 (``TiledLinearSoftmax``: log-probs first, then the loss gradient for the whole batch, then d hidden / d weight
-tile by tile, 4 matmuls) so that the low-precision weight gradient is written block by block without an fp32
-[V, H] accumulator beside it, and so do fp32 weights when a chunk cannot hold enough tokens' logits; see
-``_torch_path``.
+tile by tile) so that the low-precision weight gradient is written block by block without an fp32 [V, H]
+accumulator beside it, and so do fp32 weights when the memory budget cannot hold a chunk of enough tokens'
+logits. The tiles keep the products the budget holds for their second pass (all of them: 3 matmuls, none:
+4); see ``_torch_path``.
 
 ``bitrl.integrations.liger.FusedLinearGRPOLoss`` wraps this op in an ``nn.Module`` with the arguments of
 Liger-Kernel's ``LigerFusedLinearGRPOLoss``.
@@ -27,15 +28,18 @@ import torch
 
 from .._common import FLOAT_DTYPES, check_tensor, compute_dtype, resolve_impl
 from ..fused_logprobs import (
-    TILE_BYTES,
     ChunkEngine,
     TiledLinearSoftmax,
     acc_dtype,
     check_linear_outputs,
     default_chunk_size,
     device_budget,
+    kept_columns,
+    resolve_memory_budget,
     validate_linear_inputs,
 )
+from ..fused_logprobs.op import CHUNK_BYTES
+from ..fused_logprobs.tiled_cpu import tile_matmul_dtype
 from .api import policy_loss
 from .plan import build_plan, evaluate_rows, finalize_metrics, flat_plan, merge_parts
 from .registry import POLICY_LOSSES, LossConfig
@@ -43,15 +47,10 @@ from .triton import evaluate_triton, triton_supported, warn_fallback
 
 __all__ = ["fused_linear_policy_loss", "fused_linear_policy_loss_reference"]
 
-# The largest chunk of one sequence's fp32 logits the one-pass torch path takes (beyond, tiles; see
-# _torch_path). Up to it the one pass is faster; beyond it its memory grows with the sequence length.
-ONE_PASS_SEQUENCE_BYTES = 128 * 2**20
-# The one pass's chunks on CPU: fp32 logits of ONE_PASS_CHUNK_BYTES (or of one sequence, up to
-# ONE_PASS_SEQUENCE_BYTES, for a sequence-level loss); for a token-level loss at least ONE_PASS_MIN_TOKENS
-# tokens, as long as they fit in the loss op's TILE_BYTES budget (beyond: tiles). N=4096 V=32768 H=1024
-# fp32 GRPO on a 2-core CPU: 128-token chunks (16 MiB) peak at 164 MiB in 6.2 s, 256-token ones (32 MiB)
-# at 179 MiB in 5.8 s; see _torch_path.
-ONE_PASS_CHUNK_BYTES = 16 * 2**20
+# The fewest tokens a one-pass chunk of a token-level loss takes (fewer fit the memory budget: the two-pass
+# tiles instead): a chunk of c tokens makes the weight-gradient matmul's inner dimension c, and below ~128 a
+# 4th matmul costs less (N=4096 V=32768 H=1024 fp32 GRPO, 2-core CPU: 64-token chunks 1.16x the time of
+# 128-token ones, the tiles 1.29x); see _torch_path.
 ONE_PASS_MIN_TOKENS = 128
 
 
@@ -73,6 +72,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         need_grad,
         unit_t,
         tiled,
+        budget,
     ):
         B, T = plan.mask.shape
         acc = acc_dtype(hidden)
@@ -102,6 +102,7 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
                 need_grad,
                 (need_h, need_w, need_b),
                 unit_t,
+                budget,
             )
             out["parts"] = parts_acc
             ctx.save_for_backward(dh, dw, db)
@@ -165,15 +166,23 @@ class FusedLinearPolicyLossFunction(torch.autograd.Function):
         # workspace). On a CPU, where looking costs nothing, the usual grad_out == 1 skips the pass; on a GPU
         # looking would be a device sync per call, so the multiply always runs.
         if grad_out.device.type == "cpu" and bool(torch.equal(grad_out, torch.ones_like(grad_out))):
-            return (dh, dw, db) + (None,) * 11
-        return tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in (dh, dw, db)) + (None,) * 11
+            return (dh, dw, db) + (None,) * 12
+        return tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in (dh, dw, db)) + (None,) * 12
 
 
 def _torch_path(
-    impl: str, hidden: torch.Tensor, B: int, T: int, V: int, chunk_size: int | None, token_level: bool = False
+    impl: str,
+    hidden: torch.Tensor,
+    B: int,
+    T: int,
+    V: int,
+    chunk_size: int | None,
+    token_level: bool = False,
+    budget: int = 0,
+    need_ent: bool = False,
 ) -> tuple[bool, tuple[int, int | None]]:
-    """(tiled, (sequences per chunk, tokens per chunk | None)): which path the loss takes; both produce the
-    gradient inside the forward.
+    """(tiled, (sequences per chunk, tokens per chunk | None)): which form the loss takes within ``budget``
+    bytes of [tokens x vocabulary] buffers; both produce the gradient inside the forward.
 
     No per-token loss coefficient needs a statistics pass over the logits: everything batch-wide (rollout
     corrections such as AIS's lambda, keep-masks, normalisers) comes from ``build_plan`` before any logits.
@@ -182,25 +191,29 @@ def _torch_path(
     GSPO, GMPO or VESPO, whose terms depend on the whole sequence).
 
     * ONE pass, 3 matmuls per chunk (``ChunkEngine``): logits, then d hidden, and d W accumulated in place in
-      the fp32 gradient itself. For fp32 (fp64) weights on the torch backend: a token-level loss takes
-      chunks of as many active tokens as fit in ``ONE_PASS_CHUNK_BYTES``, at least ``ONE_PASS_MIN_TOKENS``,
-      across sequence boundaries, as long as a chunk fits in ``TILE_BYTES["loss"]`` (V <= 65536 in fp32);
-      other losses take chunks of as many sequences as fit, or of one while its logits fit in
-      ``ONE_PASS_SEQUENCE_BYTES``. ``chunk_size`` sequences when
-      given; on CUDA always.
+      the fp32 gradient itself; a chunk's workspace is its fp32 (fp64) logits, twice with the entropy. For
+      fp32 (fp64) weights on the torch backend, when it fits the budget: a token-level loss takes chunks of
+      as many active tokens as fit in min(budget, ``CHUNK_BYTES``) (128 MiB on CPU: 1024 tokens at
+      V = 32768), across sequence boundaries, when that is at least ``ONE_PASS_MIN_TOKENS`` (or every token);
+      other losses take chunks of as many whole sequences as fit, or of one while its logits fit the budget.
+      ``chunk_size`` sequences when given; on CUDA always (chunks of ``CHUNK_BYTES``; the budget does not
+      apply there).
     * TWO passes over [tokens x vocabulary] tiles (``TiledLinearSoftmax``: statistics, then the loss
-      gradient for the whole batch, then d hidden / d W tile by tile; 4 matmuls) on the torch backend:
+      gradient for the whole batch, then d hidden / d W tile by tile) on the torch backend, keeping for the
+      second pass the products h W^T that the budget holds beside the tiles (``kept_columns``): 3 matmuls
+      when it holds them all, 4 when it holds none:
       - for bf16 and fp16 weights, so that dW is written block by block in its own dtype (each block one
         bf16 matmul over every token, or summed in a one-block fp32 buffer where the matmuls run in fp32:
         fp16, and bf16 on CPUs without bf16 units). One pass would accumulate dW across token chunks: an fp32
         [V, H] buffer beside the bf16 gradient (128 MiB at V=32768, H=1024, where the two passes peak at
         141 MiB in all at N=4096), and CPU bf16 matmuls only write bf16, so each chunk's partial dW would be
-        rounded before its fp32 sum;
-      - for fp32 when ``ONE_PASS_MIN_TOKENS`` tokens' logits exceed the loss op's tile budget (token-level
-        losses: V > 65536) or one sequence's logits exceed ``ONE_PASS_SEQUENCE_BYTES`` (other
-        losses; V = 151936: 148 MiB at T = 256, 1.2 GiB at T = 2048): the tiles then split the vocabulary.
-        Fewer tokens per chunk make the weight-gradient matmul (its inner dimension) slower than a 4th
-        matmul: on CPU, N=4096 V=32768, 128-token chunks cost 10% more than 256-token ones, 64-token 30%."""
+        rounded before its fp32 sum. Keeping the bf16 products instead costs n x V x 2 bytes (224 MiB for
+        the 3584 active tokens of N=4096, V=32768);
+      - for fp32 when the budget holds fewer than ``ONE_PASS_MIN_TOKENS`` tokens' logits (token-level
+        losses) or less than one sequence's (other losses; V = 151936: 148 MiB at T = 256, 1.2 GiB at
+        T = 2048): the tiles then split the vocabulary. Fewer tokens per chunk make the weight-gradient
+        matmul (its inner dimension) slower than a 4th matmul: on CPU, N=4096 V=32768, 128-token chunks
+        cost 10% more than 256-token ones, 64-token 30%."""
     low = hidden.dtype != acc_dtype(hidden)
     if chunk_size is not None:
         return impl == "torch" and low, (int(chunk_size), None)
@@ -209,15 +222,15 @@ def _torch_path(
     tiles = True, (max(1, B), None)  # sized by TILE_BYTES["loss"]; they hold every sequence when they can
     if low:
         return tiles
+    row_bytes = acc_dtype(hidden).itemsize * V * (2 if need_ent else 1)
+    chunk_bytes = min(budget, device_budget(CHUNK_BYTES, hidden.device))
     if token_level:
-        row_bytes = acc_dtype(hidden).itemsize * V
-        tokens = max(ONE_PASS_MIN_TOKENS, ONE_PASS_CHUNK_BYTES // row_bytes)
-        fits = tokens * row_bytes <= device_budget(TILE_BYTES["loss"], hidden.device)
-        return (False, (max(1, B), tokens)) if fits else tiles
-    rows = default_chunk_size(V, hidden.device, ONE_PASS_CHUNK_BYTES) // max(T, 1)
-    if rows == 0 and T * V * 4 > ONE_PASS_SEQUENCE_BYTES:
+        tokens = chunk_bytes // row_bytes
+        fits = tokens >= min(ONE_PASS_MIN_TOKENS, B * T)
+        return (False, (max(1, B), max(1, tokens))) if fits else tiles
+    if T * row_bytes > budget:
         return tiles
-    return False, (max(1, rows), None)
+    return False, (max(1, chunk_bytes // max(T * row_bytes, 1)), None)
 
 
 def _one_pass_chunks(plan, index, rows_per_chunk, tokens_per_chunk):
@@ -270,15 +283,32 @@ def _evaluate(lp_rows, ent_rows, plan, rows, use_triton_loss, need_grad, ent_gra
 
 
 def _torch_backend(
-    hidden, weight, bias, y, valid, inv_t, plan, index, rows_per_chunk, need_ent, need_grad, needs, unit_t
+    hidden,
+    weight,
+    bias,
+    y,
+    valid,
+    inv_t,
+    plan,
+    index,
+    rows_per_chunk,
+    need_ent,
+    need_grad,
+    needs,
+    unit_t,
+    budget,
 ):
     """The torch backend: log-probs of every active token over [tokens x vocabulary] tiles, the loss and its
-    gradient w.r.t. them for the whole batch at once ([B, T] work), then one gradient pass over the tiles.
-    Returns (dh, dW, db in the inputs' dtypes or None, loss, parts)."""
+    gradient w.r.t. them for the whole batch at once ([B, T] work), then one gradient pass over the tiles,
+    which reads the products the statistics pass kept within ``budget`` (``kept_columns``) instead of
+    multiplying again. Returns (dh, dW, db in the inputs' dtypes or None, loss, parts)."""
     B, T = plan.mask.shape
     acc = acc_dtype(hidden)
     need_h, need_w, need_b = needs
     ent_grad = need_grad and plan.cfg.entropy_coef != 0
+    n, V = index.numel(), weight.shape[0]
+    k = kept_columns(n, V, hidden, "loss", budget) if need_grad else 0
+    kept = torch.empty(n, k, dtype=tile_matmul_dtype(hidden), device=hidden.device) if k else None
     eng = TiledLinearSoftmax(
         hidden,
         weight,
@@ -291,6 +321,7 @@ def _torch_backend(
         unit_temperature=unit_t,
         op="loss",
         index=index,
+        kept=kept,
     )
     lp_a, ent_a, lse, gap = eng.stats()
     lp = torch.zeros(B * T, dtype=acc, device=hidden.device)
@@ -344,6 +375,7 @@ def fused_linear_policy_loss(
     is_weights: torch.Tensor | None = None,
     compute_entropy: bool = False,
     chunk_size: int | None = None,
+    memory_budget: int | None = None,
     check_finite: bool = True,
     impl: str | None = None,
 ):
@@ -359,9 +391,21 @@ def fused_linear_policy_loss(
 
     ``config`` is the ``LossConfig`` of ``policy_loss``. ``compute_entropy`` adds the entropy metric (it is
     computed anyway when ``config.entropy_coef != 0``). ``chunk_size`` is the number of *sequences* per chunk
-    (default: about 1 GiB of fp32 logits per chunk on CUDA; on the torch backend, see ``_torch_path``:
-    16 MiB chunks of tokens or sequences for fp32, 32 MiB tiles holding every sequence when they can for
-    bf16). Returns ``(loss, metrics)`` like ``policy_loss``.
+    (default: about 1 GiB of fp32 logits per chunk on CUDA; on the torch backend, from the memory budget).
+
+    ``memory_budget``: bytes of [tokens x vocabulary] buffers the op may hold at once beyond its inputs,
+    outputs and [B*T]-sized terms; it picks time against memory on the torch backend (``_torch_path``):
+    the form that runs 3 products of N x H x V when its working set fits, else the two-pass tiles (4).
+    * fp32 (fp64) weights: one pass over chunks of active tokens (token-level losses, at least
+      ``ONE_PASS_MIN_TOKENS``) or whole sequences, c tokens' fp32 logits (twice with the entropy) per chunk,
+      as many as fit in min(budget, 128 MiB on CPU); when even the fewest do not fit, the tiles.
+    * bf16 / fp16 weights: the tiles (``TILE_BYTES["loss"]``, 32 MiB on CPU, or the whole [n, V] at 8 + 2
+      bytes an element when less; n active tokens) and, with what is left, the products h W^T of the first
+      vocabulary columns of every active token (n x k, 2 bytes for bf16 on a CPU with bf16 units, else 4),
+      read back by the gradient pass: k = V runs 3 products, k = 0 four.
+    Default (None): ``MEMORY_BUDGET`` of the device, 1 GiB on CPU; the trainer passes what its memory plan
+    has to spare (``train.loss_memory_budget``). The Triton (CUDA) path always runs one pass. Returns
+    ``(loss, metrics)`` like ``policy_loss``.
     """
     cfg = LossConfig() if config is None else config
     if not isinstance(cfg, LossConfig):
@@ -405,13 +449,14 @@ def fused_linear_policy_loss(
         raise ValueError("old_logprobs: required for a rollout correction in fused_linear_policy_loss")
     if chunk_size is not None and int(chunk_size) <= 0:
         raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
+    budget = resolve_memory_budget(memory_budget, h2.device)
     if impl == "triton":
         reason = triton_supported(plan)
         if reason is not None:
             warn_fallback("fused_linear_policy_loss", reason, "its loss terms on the torch path")
     token_level = POLICY_LOSSES[plan.loss_type].token_level
-    tiled, chunking = _torch_path(impl, h2, B, T, weight.shape[0], chunk_size, token_level)
     need_ent = bool(compute_entropy or cfg.entropy_coef)
+    tiled, chunking = _torch_path(impl, h2, B, T, weight.shape[0], chunk_size, token_level, budget, need_ent)
     out: dict = {}
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))
     unit_t = not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0
@@ -430,6 +475,7 @@ def fused_linear_policy_loss(
         need_grad,
         unit_t,
         tiled,
+        budget,
     )
     if check_finite:
         check_linear_outputs((loss.detach(),), h2, weight, bias)
@@ -453,11 +499,13 @@ def fused_linear_policy_loss_reference(
     is_weights=None,
     compute_entropy=False,
     chunk_size=None,
+    memory_budget=None,
     check_finite=True,
     impl=None,
 ):
     """The unfused path: full logits -> log_softmax -> gather -> ``policy_loss`` (impl="reference").
-    Takes the arguments of ``fused_linear_policy_loss``; chunk_size, check_finite and impl do not apply."""
+    Takes the arguments of ``fused_linear_policy_loss``; chunk_size, memory_budget, check_finite and impl
+    do not apply."""
     from ..fused_logprobs import fused_logprobs_reference
 
     cfg = LossConfig() if config is None else config
