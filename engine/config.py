@@ -283,6 +283,11 @@ class TrainConfig(Section):
     # mixed precision ("auto": bf16 parameters, fp32 gradient reduction on GPUs; the weights' dtype on CPUs).
     distributed: Literal["fsdp2"] = "fsdp2"
     fsdp_mixed_precision: Literal["auto", "none", "bf16"] = "auto"
+    # Bytes of [tokens x vocabulary] buffers the fused LM-head ops (old log-probs, loss) may hold: time
+    # against memory. A budget that holds the 3-product form's working set (kept logits, one-pass chunks)
+    # runs it, a smaller one the two-pass tiles (4 products, the least memory). "auto": what the memory plan
+    # has to spare (95% of the device minus the plan); bytes, or a size such as "512MiB" / "2GiB"; 0: tight.
+    loss_memory_budget: int | Literal["auto"] = "auto"
 
     # Each "auto" is resolved here, once: the trainer and the memory plan both ask.
     def resolved_autocast(self, device_type: str, model_dtype) -> Literal["none", "bf16", "fp16"]:
@@ -295,11 +300,43 @@ class TrainConfig(Section):
             return "bf16"
         return {"bfloat16": "bf16", "float16": "fp16"}.get(str(model_dtype).removeprefix("torch."), "none")
 
+    def resolved_loss_memory_budget(self, spare: float | None) -> int | None:
+        """train.loss_memory_budget in bytes: "auto" is ``spare`` (what the run's memory plan has to spare;
+        None without a plan: the ops' own per-device default)."""
+        if self.loss_memory_budget != "auto":
+            return self.loss_memory_budget
+        return None if spare is None else max(0, int(spare))
+
     def resolved_fsdp_mixed_precision(self, device_type: str) -> Literal["none", "bf16"]:
         """train.fsdp_mixed_precision on `device_type`: "auto" is bf16 on a GPU, none on a CPU."""
         if self.fsdp_mixed_precision != "auto":
             return self.fsdp_mixed_precision
         return "bf16" if device_type == "cuda" else "none"
+
+    @field_validator("loss_memory_budget", mode="before")
+    @classmethod
+    def _budget(cls, value):
+        """ "auto", a whole number of bytes >= 0, or a size with a unit (KiB, MiB, GiB, KB, MB, GB)."""
+        if value == "auto":
+            return value
+        text = value.strip() if isinstance(value, str) else None
+        units = {
+            "": 1,
+            "b": 1,
+            "kib": 2**10,
+            "mib": 2**20,
+            "gib": 2**30,
+            "kb": 10**3,
+            "mb": 10**6,
+            "gb": 10**9,
+        }
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", text) if text is not None else None
+        if match and match.group(2).lower() in units:
+            value = float(match.group(1)) * units[match.group(2).lower()]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+        if not ok or value != int(value):
+            raise ValueError(f"expected 'auto', bytes >= 0 or a size such as '512MiB', got {value!r}")
+        return int(value)
 
     @model_validator(mode="before")
     @classmethod

@@ -189,7 +189,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
 
     device = ctx.device
     task, tokenizer = build_task(cfg), build_tokenizer(cfg, log=log)  # no weights yet
-    check_memory_plan(cfg, longest_prompt(cfg, task, tokenizer), force, log, ctx.world_size)
+    plan = check_memory_plan(cfg, longest_prompt(cfg, task, tokenizer), force, log, ctx.world_size)
     policy = build_policy(cfg, tokenizer, log=log)
     policy.to(device)
     if not resume and ctx.is_main:
@@ -220,7 +220,12 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
         top_p=cfg.rollout.top_p,
     )
     engine = RolloutEngine(rollout_model, sampling, options)
-    trainer = PolicyTrainer(policy, cfg.train, temperature=cfg.rollout.temperature)
+    trainer = PolicyTrainer(policy, cfg.train, temperature=cfg.rollout.temperature, spare_bytes=plan.spare)
+    budget = trainer.memory_budget
+    log(
+        f"loss memory budget: {budget / 2**20:.0f} MiB"
+        + (" (what the memory plan has to spare)" if cfg.train.loss_memory_budget == "auto" else "")
+    )
 
     # Sharded, the policy is evaluated through its rollout copy where that holds the very same weights (full
     # precision, no noise, no adapters to merge), else gathered whole for the evaluation on every rank.

@@ -33,6 +33,11 @@ def test_overrides_and_file(tmp_path):
         ("task.kind=jsonl", "task.path"),
         ("model.num_heads=3", "model.hidden_size must divide"),
         ("model.dtype=float64", "model.dtype"),
+        ("train.loss_memory_budget=-1", "train.loss_memory_budget"),
+        ("train.loss_memory_budget=1.5", "train.loss_memory_budget"),
+        ("train.loss_memory_budget=lots", "train.loss_memory_budget"),
+        ("train.loss_memory_budget=12XB", "train.loss_memory_budget"),
+        ("train.loss_memory_budget=true", "train.loss_memory_budget"),
     ],
 )
 def test_bad_values_name_the_field(override, field):
@@ -163,3 +168,14 @@ def test_the_rollout_recipe_resolves_its_autos_per_format():
     ):
         with pytest.raises(ConfigError, match=field):
             load_config(None, [bad])
+
+
+def test_loss_memory_budget_takes_bytes_sizes_or_auto():
+    read = lambda v: load_config(None, [f"train.loss_memory_budget={v}"]).train  # noqa: E731
+    assert read("auto").loss_memory_budget == "auto" and read(0).loss_memory_budget == 0
+    assert read("512MiB").loss_memory_budget == 512 * 2**20 and read("2GiB").loss_memory_budget == 2**31
+    assert read("1.5GB").loss_memory_budget == 1_500_000_000 and read(4096).loss_memory_budget == 4096
+    # auto is what the run's memory plan has to spare, or the ops' own default without a plan
+    assert read("auto").resolved_loss_memory_budget(3e9) == 3_000_000_000
+    assert read("auto").resolved_loss_memory_budget(None) is None
+    assert read("1MiB").resolved_loss_memory_budget(3e9) == 2**20

@@ -48,6 +48,19 @@ def test_parts_follow_the_settings():
     assert plan("rollout.precision=nvfp4", "model.dtype=bfloat16").parts["rollout_copy"] > 0
 
 
+def test_the_loss_memory_budget_is_what_the_plan_spares():
+    """auto: the fused ops get what the plan leaves under the refusal limit (not counted in the plan); an
+    explicit budget is counted in the activations (at most the whole fp32 logits of a micro-batch)."""
+    auto = plan(device=64 * GiB)
+    assert auto.spare == pytest.approx(0.95 * 64 * GiB - auto.total)
+    assert plan(device=1.0).spare == 0
+    explicit = plan("train.loss_memory_budget=256MiB", device=64 * GiB)
+    assert explicit.parts["activations"] - auto.parts["activations"] == 256 * 2**20
+    assert (
+        plan("train.loss_memory_budget=0", device=64 * GiB).parts["activations"] == auto.parts["activations"]
+    )
+
+
 def test_plan_line_names_every_part():
     line = plan().line()
     assert line.startswith("memory plan: ")

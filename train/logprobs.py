@@ -33,17 +33,29 @@ def lm_head_operands(hidden: torch.Tensor, head):
     return hidden.to(dtype), head.weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def token_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_entropy: bool = True):
+def token_logprobs(
+    model,
+    rollout: Rollout,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    memory_budget: int | None = None,
+):
     """(logprobs [B, R] fp32, entropy [B, R] fp32 or None) of the response tokens at `temperature`.
 
-    Positions outside rollout.response_mask hold 0.
+    Positions outside rollout.response_mask hold 0. memory_budget: fused_logprobs' (None: its default).
     """
     hidden = response_hidden_states(model, rollout)
     batch, length, width = hidden.shape
     hidden, weight, bias = lm_head_operands(hidden.reshape(-1, width), model.get_output_embeddings())
     targets = rollout.response_ids.masked_fill(~rollout.response_mask, -100)
     logprobs, entropy = fused_logprobs(
-        hidden, weight, targets.reshape(-1), temperature=temperature, bias=bias, return_entropy=with_entropy
+        hidden,
+        weight,
+        targets.reshape(-1),
+        temperature=temperature,
+        bias=bias,
+        return_entropy=with_entropy,
+        memory_budget=memory_budget,
     )
     entropy = entropy.view(batch, length) if entropy is not None else None
     return logprobs.view(batch, length), entropy

@@ -32,7 +32,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # E8M0 byte per 32, NVFP4 = 4 bits + one E4M3 byte per 16.
 QUANT_BYTES = {"fp8": 1.0, "mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The fused log-prob/loss op materialises the LM head's logits one chunk at a time (kernels default).
+# The fused log-prob/loss op materialises the LM head's logits one chunk at a time (the least it holds; what
+# its memory budget allows beyond this comes out of the plan's spare memory, MemoryPlan.spare).
 LOSS_CHUNK_BYTES = {"cpu": 128 * 2**20, "cuda": 1 * GiB}
 
 
@@ -133,6 +134,13 @@ class MemoryPlan:
     @property
     def fraction(self) -> float:
         return self.total / max(self.device_bytes, 1.0)
+
+    @property
+    def spare(self) -> float:
+        """Bytes the run has to spare: the refusal limit (95% of the device) minus the plan, at least 0. The
+        fused LM-head ops' default memory budget (train.loss_memory_budget=auto): what it buys is time (the
+        3-product form), within memory the plan leaves unused."""
+        return max(0.0, REFUSE_FRACTION * self.device_bytes - self.total)
 
     def line(self) -> str:
         """One line starting `memory plan:` with every part and the share of the device."""
@@ -245,6 +253,10 @@ def plan_memory(
     per_layer = tokens * (compute * compute_bytes + fp32 * 4)
     residual = tokens * shape.hidden * 4  # each layer's input (the residual stream stays fp32 in HF models)
     head = min(tokens * shape.vocab * 4, LOSS_CHUNK_BYTES.get(device_type, GiB)) + tokens * shape.hidden * 8
+    # an explicit train.loss_memory_budget may be held on top (kept logits, one-pass chunks; at most about
+    # the whole [tokens, V] in fp32); "auto" takes only what the plan has to spare, so it is not counted
+    if train.loss_memory_budget != "auto":
+        head += min(train.loss_memory_budget, tokens * shape.vocab * 4)
     # The fused LM-head op also holds [V, H] fp32 buffers: the weight's gradient when the head trains, and on
     # a CPU its fp32 matmul operand (after a cast to the compute dtype when the head weight is fp32).
     head_matrix = shape.vocab * shape.hidden
@@ -264,7 +276,7 @@ def plan_memory(
         "autocast_weights": "model.dtype=float32 with train.autocast=none, or model.lora.rank > 0",
         "rollout_copy": "rollout.precision=bf16 or a quantized one (fp8, mxfp4, nvfp4)",
         "kv_cache": "a lower rollout.prompts_per_step, rollout.group_size or rollout.max_new_tokens",
-        "activations": "a lower train.micro_batch_tokens"
+        "activations": "a lower train.micro_batch_tokens or train.loss_memory_budget"
         + ("" if train.gradient_checkpointing else ", or train.gradient_checkpointing=true"),
     }
     name = "free HBM" if device_type == "cuda" else "available RAM"

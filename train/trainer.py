@@ -92,11 +92,16 @@ class PolicyTrainer:
     """Owns the policy's optimizer and applies one RL update per rollout batch.
 
     cfg: the run's train section, a bitrl.engine.config.TrainConfig (tests build one from the schema too);
-    its "auto" settings are resolved by the config itself (resolved_autocast, resolved_fsdp_mixed_precision).
+    its "auto" settings are resolved by the config itself (resolved_autocast, resolved_fsdp_mixed_precision,
+    resolved_loss_memory_budget). spare_bytes: what the run's memory plan has to spare (MemoryPlan.spare),
+    the fused LM-head ops' memory budget under train.loss_memory_budget=auto; None: the ops' own default.
     """
 
-    def __init__(self, policy: torch.nn.Module, cfg, temperature: float = 1.0):
+    def __init__(
+        self, policy: torch.nn.Module, cfg, temperature: float = 1.0, spare_bytes: float | None = None
+    ):
         self.policy, self.cfg, self.temperature = policy, cfg, temperature
+        self.memory_budget = cfg.resolved_loss_memory_budget(spare_bytes)  # bytes, or None
         self.loss = cfg.loss.loss_config()  # train.loss: LossConfig's fields by their names
         self.micro_batch_tokens = cfg.micro_batch_tokens
         self.trainable = [p for p in policy.parameters() if p.requires_grad]
@@ -146,9 +151,15 @@ class PolicyTrainer:
     def forward(self, rollout: Rollout, with_entropy: bool = True):
         """(logprobs, entropy) of the rollout's tokens under the policy, in the trainer's precision."""
         with self.precision():
-            return call_as_forward(
-                self.policy, partial(token_logprobs, self.policy, rollout, self.temperature, with_entropy)
+            fn = partial(
+                token_logprobs,
+                self.policy,
+                rollout,
+                self.temperature,
+                with_entropy,
+                memory_budget=self.memory_budget,
             )
+            return call_as_forward(self.policy, fn)
 
     def micro_batches(self, rows: torch.Tensor, rollout: Rollout) -> list[torch.Tensor]:
         seq_len = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
@@ -200,6 +211,7 @@ class PolicyTrainer:
                 bias=bias,
                 temperature=self.temperature,
                 compute_entropy=True,
+                memory_budget=self.memory_budget,
                 rollout_logprobs=part.logprobs,
                 is_weights=None if weights is None else weights[rows],
             )
