@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from conftest import TRAIN_CFG
+from conftest import TRAIN_CFG, assert_same_adam_update
 
 from bitrl.train.advantages import ADVANTAGES, compute_advantages
 
@@ -67,3 +67,38 @@ def test_autocast_auto_is_bf16_on_gpu_and_off_on_cpu(tiny_qwen):
     assert cfg.autocast == "auto"
     trainer = PolicyTrainer(tiny_qwen, cfg)  # tiny_qwen lives on the CPU
     assert trainer.autocast == "none" and not trainer.scaler.is_enabled()
+
+
+@pytest.mark.parametrize("autocast", ["none", "bf16"])
+def test_the_loss_memory_budget_reaches_the_fused_ops_and_keeps_the_update(tiny_qwen, autocast, monkeypatch):
+    """train.loss_memory_budget (0: the two-pass tiles) and auto with what a plan spares (the 3-product form)
+    reach fused_linear_policy_loss and give the same update."""
+    import copy
+
+    from bitrl.engine.config import TrainConfig
+    from bitrl.rollout.generation import RolloutEngine
+    from bitrl.rollout.settings import Sampling
+    from bitrl.train import trainer as trainer_mod
+
+    rollout = RolloutEngine(tiny_qwen, Sampling(max_new_tokens=5, eos_id=2, pad_id=0)).generate(
+        [[1, 5, 6]] * 4, generator=torch.Generator().manual_seed(0)
+    )
+    advantages = torch.tensor([1.0, -1.0] * 2)
+    seen = []
+    fused = trainer_mod.fused_linear_policy_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["memory_budget"])
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "fused_linear_policy_loss", spy)
+    weights = []
+    for budget, spare in ((0, 2**30), ("auto", 2**30)):
+        cfg = TrainConfig(
+            **TRAIN_CFG | {"autocast": autocast, "updates_per_batch": 1, "loss_memory_budget": budget}
+        )
+        policy = copy.deepcopy(tiny_qwen)
+        trainer_mod.PolicyTrainer(policy, cfg, spare_bytes=spare).step(rollout, advantages)
+        weights.append(torch.cat([p.detach().reshape(-1) for p in policy.parameters()]))
+    assert seen == [0, 2**30]
+    assert_same_adam_update(weights[0], weights[1], TRAIN_CFG["lr"], what=f"autocast {autocast}")
