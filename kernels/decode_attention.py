@@ -37,19 +37,22 @@ NaN into -1e30. Under ``TRITON_INTERPRET=1`` bf16 operands are multiplied as the
 interpreter's numpy dot has no bf16): the same exact products, summed in fp32.
 
 Implementations (``impl=`` or ``BITRL_KERNEL_IMPL``): ``"triton"`` (CUDA tensors; CPU under
-``TRITON_INTERPRET=1``); ``"torch"``: the cache cast to q's dtype over the attended width, then
-``F.scaled_dot_product_attention`` (the decoder's path on CPU and for non-fp8 caches); ``"reference"``: the
-formula above in fp64, written out elementwise.
+``TRITON_INTERPRET=1``); ``"torch"``: the cache cast to q's dtype over the attended width, then, on the CPU
+for fp32/bf16 queries, the host library's kernel (csrc/attention_host.cc: fp32, each query's reductions in
+ascending column order, so batch- and width-invariant like the Triton kernel), elsewhere
+``F.scaled_dot_product_attention``; ``"reference"``: the formula above in fp64, written out elementwise.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
 import torch.nn.functional as F
 
 from ._common import HAS_TRITON, check_tensor, next_pow2, resolve_impl
+from .host_ext import load_host_library
 
 __all__ = ["BLOCK_M", "QUERY_DTYPES", "decode_attention", "decode_attention_reference"]
 
@@ -110,9 +113,53 @@ def decode_attention_reference(q, k_cache, v_cache, visible, scale: float) -> to
 def _decode_attention_torch(q, k_cache, v_cache, visible, scale):
     rows, kv_heads, queries, dim = q.shape
     tm, width = visible.shape[1], visible.shape[2]
+    host = q.device.type == "cpu" and q.dtype in HOST_DTYPES and dim % 16 == 0
+    lib = load_host_library() if host else None
+    if lib is not None:
+        return _decode_attention_host(lib, q, k_cache, v_cache, visible, scale)
     keys, values = k_cache[:, :, :width].to(q.dtype), v_cache[:, :, :width].to(q.dtype)
     mask = visible[:, None, None].expand(rows, 1, queries // tm, tm, width).reshape(rows, 1, queries, width)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
+# The host kernel's dtypes (csrc/attention_host.cc; head_dim a multiple of 16); fp16 and fp64 take SDPA.
+HOST_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _decode_attention_host(lib, q, k_cache, v_cache, visible, scale):
+    """The torch path's attention on the CPU by csrc/attention_host.cc: one pass per (row, KV head), fp32,
+    each query's reductions in a fixed order over its visible columns (so its bits do not depend on the rows,
+    tokens or masked columns beside it). A contiguous cache in q's dtype is read in place; any other is cast
+    over the attended width first."""
+    rows, kv_heads, queries, dim = q.shape
+    tm, width = visible.shape[1], visible.shape[2]
+    keys, values = k_cache, v_cache
+    if keys.dtype != q.dtype or not (keys.is_contiguous() and values.is_contiguous()):
+        keys = k_cache[:, :, :width].to(q.dtype).contiguous()
+        values = v_cache[:, :, :width].to(q.dtype).contiguous()
+    q = q.contiguous()
+    if visible.stride(2) != 1:
+        visible = visible.contiguous()
+    out = torch.empty_like(q)
+    lib.bitrl_decode_attention(
+        q.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        visible.data_ptr(),
+        out.data_ptr(),
+        rows,
+        kv_heads,
+        queries,
+        tm,
+        width,
+        dim,
+        keys.shape[2],
+        visible.stride(0),
+        visible.stride(1),
+        ctypes.c_float(scale),
+        int(q.dtype == torch.bfloat16),
+    )
+    return out
 
 
 def decode_attention(

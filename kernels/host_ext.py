@@ -20,8 +20,8 @@ from pathlib import Path
 from ._common import kernel_cache_root
 from .cuda_ext import CSRC
 
-HOST_SOURCES = ("sampler_host.cc", "softmax_tile_host.cc")
-HEADERS = ("sampler_core.h",)
+HOST_SOURCES = ("sampler_host.cc", "softmax_tile_host.cc", "attention_host.cc")
+HEADERS = ("sampler_core.h", "host_math.h")
 # No -ffast-math or -march=native: the results must be the IEEE fp32 of the formula as written (no
 # contraction into FMAs, so every target clone gives the same bits), and the cached library may be shared by
 # machines of one architecture. -fno-trapping-math lets float selects vectorize; it changes no result.
@@ -93,6 +93,8 @@ def load_host_library() -> ctypes.CDLL | None:
     _LIB.bitrl_gumbel_candidates.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr]
     _LIB.bitrl_sampling_uniforms.restype = _LIB.bitrl_uniforms_at.restype = None
     _LIB.bitrl_gumbel_candidates.restype = None
+    _LIB.bitrl_decode_attention.argtypes = [ptr] * 5 + [i64] * 9 + [ctypes.c_float, ctypes.c_int]
+    _LIB.bitrl_decode_attention.restype = None
     _LIB.bitrl_tile_stats_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
     _LIB.bitrl_tile_grad_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     _LIB.bitrl_tile_stats_bf16.restype = _LIB.bitrl_tile_grad_bf16.restype = None

@@ -29,6 +29,9 @@ from bitrl.kernels.decode_attention import decode_attention
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
 FP8_MAX = 448.0
+# New tokens per row up to which the CPU attends through decode_attention (decode steps, drafts) rather than
+# SDPA (prefill)
+CPU_KERNEL_TOKENS = 16
 
 
 @memoize
@@ -182,6 +185,11 @@ class Decoder:
         # copy of the cache: a bool mask with enable_gqa leaves CUDA only the math kernel (its
         # memory-efficient kernel takes masks but not GQA), which builds the [R, heads, T, W] scores.
         group = self.heads // self.kv_heads
+        # decode_attention: on CUDA for an fp8 cache (read in the kernel, not cast); on the CPU for a decode
+        # step or a draft (the host kernel: SDPA's CPU kernel pays per tiny batched product)
+        kernel_attention = (
+            cache.dtype == torch.float8_e4m3fn if self.device.type == "cuda" else steps <= CPU_KERNEL_TOKENS
+        )
         mask = (
             visible[:, None, None].expand(rows, 1, group, steps, width).reshape(rows, 1, group * steps, width)
         )
@@ -198,7 +206,7 @@ class Decoder:
             k = k * cos + _rotate_half(k) * sin
             cache.write(i, k, v, cols)
             q = q.reshape(rows, self.kv_heads, group * steps, self.head_dim)
-            if q.is_cuda and cache.dtype == torch.float8_e4m3fn:  # fp8 read in the kernel, not cast
+            if kernel_attention:
                 o = decode_attention(q, cache.k[i], cache.v[i], visible, self.scaling)
             else:
                 keys, values = cache.read(i, width, q.dtype)

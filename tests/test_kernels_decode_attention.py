@@ -11,7 +11,12 @@ import torch
 import torch.nn.functional as F
 from test_kernels_helpers import needs_triton, triton_device
 
-from bitrl.kernels.decode_attention import BLOCK_M, decode_attention, decode_attention_reference
+from bitrl.kernels.decode_attention import (
+    BLOCK_M,
+    HOST_DTYPES,
+    decode_attention,
+    decode_attention_reference,
+)
 
 FP8 = torch.float8_e4m3fn
 QUERY_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -151,6 +156,107 @@ def test_a_rows_output_depends_neither_on_its_batch_nor_on_masked_columns():
     wider[:, :, :60] = visible
     more_columns = decode_attention(q, k, v, wider, scale, impl="triton")
     assert torch.equal(batch[1], alone[0]) and torch.equal(batch, more_columns)
+
+
+def _needs_host():
+    from bitrl.kernels.host_ext import load_host_library
+
+    if load_host_library() is None:
+        pytest.skip("no C++ compiler here (or BITRL_HOST_EXT=0): the CPU path is SDPA")
+
+
+HOST_SHAPES = [s for s in SHAPES if s[4] % 16 == 0] + [(2, 1, 3, 1, 64, 37, 64)]
+
+
+@pytest.mark.parametrize("q_dtype", HOST_DTYPES)
+@pytest.mark.parametrize("fp8_cache", [True, False], ids=["fp8-cache", "same-dtype-cache"])
+@pytest.mark.parametrize("shape", HOST_SHAPES, ids=lambda s: "R{}h{}g{}T{}d{}W{}".format(*s[:6]))
+def test_host_kernel_matches_the_reference(q_dtype, fp8_cache, shape):
+    """The CPU path (csrc/attention_host.cc) against the fp64 reference."""
+    _needs_host()
+    rows, kv_heads, group, steps, dim, width, columns = shape
+    for per_query_mask in (False, True) if group > 1 else (False,):
+        q, k, v, visible = _case(
+            sum(shape) + per_query_mask,
+            q_dtype,
+            FP8 if fp8_cache else q_dtype,
+            rows=rows,
+            kv_heads=kv_heads,
+            group=group,
+            steps=steps,
+            dim=dim,
+            width=width,
+            columns=columns,
+            per_query_mask=per_query_mask,
+        )
+        out = decode_attention(q, k, v, visible, dim**-0.5, impl="torch")
+        _assert_close_to_reference(out, q, k, v, visible, dim**-0.5)
+
+
+@pytest.mark.parametrize("q_dtype", HOST_DTYPES)
+def test_host_kernel_shows_nan_and_gives_zero_where_nothing_is_seen(q_dtype):
+    _needs_host()
+    q, k, v, visible = _case(
+        5,
+        torch.float32,
+        torch.float32,
+        rows=4,
+        kv_heads=1,
+        group=3,
+        steps=2,
+        dim=16,
+        width=40,
+        columns=40,
+        per_query_mask=False,
+    )
+    visible = visible.clone()
+    visible[:, :, 0] = True
+    q[0, 0, 1] = math.nan
+    k[1, 0, 5] = math.nan
+    visible[1, 0, 5], visible[1, 1, 5] = True, False
+    v[2, 0, 9] = math.nan
+    visible[3, 1] = False
+    q[3] *= 3e3  # a one-hot softmax
+    q, k, v = q.to(q_dtype), k.to(q_dtype), v.to(q_dtype)
+    out = decode_attention(q, k, v, visible, 0.25, impl="torch")
+    nan = out.isnan().any(-1)
+    assert nan[0, 0].tolist() == [False, True, False, False, False, False]
+    assert nan[1, 0].tolist() == [True, False] * 3
+    assert nan[2].all() and not nan[3].any()
+    assert (out[3, 0, 1::2] == 0).all()
+    _assert_close_to_reference(out, q, k, v, visible, 0.25)
+
+
+@pytest.mark.parametrize("q_dtype", HOST_DTYPES)
+def test_host_kernel_bits_depend_only_on_the_query_and_what_it_sees(q_dtype):
+    """A query's output has the same bits alone or among other rows, as one of several new tokens or as the
+    only one, and with more (masked) columns behind it: the property a batch-invariant decoder needs."""
+    _needs_host()
+    q, k, v, visible = _case(
+        9,
+        q_dtype,
+        q_dtype,
+        rows=5,
+        kv_heads=2,
+        group=3,
+        steps=4,
+        dim=32,
+        width=60,
+        columns=90,
+        per_query_mask=False,
+    )
+    scale = 32**-0.5
+    batch = decode_attention(q, k, v, visible, scale, impl="torch")
+    alone = decode_attention(q[2:3], k[2:3], v[2:3], visible[2:3], scale, impl="torch")
+    wider = torch.zeros(5, 4, 90, dtype=torch.bool)
+    wider[:, :, :60] = visible
+    more_columns = decode_attention(q, k, v, wider, scale, impl="torch")
+    assert torch.equal(batch[2], alone[0]) and torch.equal(batch, more_columns)
+    # token t of 4 (query rows g * 4 + t) against token t fed alone (query rows g)
+    per_token = q.view(5, 2, 3, 4, 32)
+    for t in range(4):
+        one = decode_attention(per_token[:, :, :, t].contiguous(), k, v, visible[:, t : t + 1], scale)
+        assert torch.equal(one, batch.view(5, 2, 3, 4, 32)[:, :, :, t])
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float64, torch.float32])
