@@ -235,9 +235,9 @@ def forms(N: int, V: int, reps: int, dtype: str, memory: bool, cpu_bf16_matmul: 
             variants = [("naive", "naive", None)] + [(f"bitrl-{f}", "bitrl", b) for f, b in FORMS.items()]
             variants += [(peer, peer, None) for peer in PEERS[op]]
             for key, name, budget in variants:
-                spec = dict(base, op=op, names=[name], memory_budget=budget)
-                if cpu_bf16_matmul == "fp32":
-                    spec["bf16_gemms"] = False
+                spec = dict(
+                    base, op=op, names=[name], memory_budget=budget, fp32_gemms=cpu_bf16_matmul == "fp32"
+                )
                 peak = bi.run_child(spec, cap_gb=16.0, timeout=1800.0)
                 rows.setdefault(f"{op}/{key}", {})["peak_mib"] = peak.get("peak_mib", peak.get("error"))
                 print(f"{op:16s} {key:14s} peak {rows[f'{op}/{key}']['peak_mib']} MiB", flush=True)

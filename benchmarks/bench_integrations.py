@@ -172,6 +172,8 @@ def child(spec: dict) -> dict:
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
     if spec.get("bf16_gemms"):  # bitrl's path for a CPU with bf16 units, on any CPU (emulated GEMMs here)
         importlib.import_module("bitrl.kernels.fused_logprobs.numerics").CPU_BF16_MATMUL = torch.bfloat16
+    if spec.get("fp32_gemms"):  # bitrl's path for a CPU without bf16 units, on any CPU
+        importlib.import_module("bitrl.kernels.fused_logprobs.numerics").CPU_BF16_MATMUL = torch.float32
     x = make_inputs(spec["N"], spec["V"], DTYPES[spec["dtype"]])
     budget = spec.get("memory_budget")  # bitrl's, when given
     fns = {n: variant_fn(spec["op"], n, memory_budget=budget) for n in spec["names"]}

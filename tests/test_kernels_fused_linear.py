@@ -323,40 +323,45 @@ class MultiplyAdds(TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
 def test_memory_budget_picks_three_products_or_the_tiles(dtype, cpu_bf16_matmul):
-    """GRPO with padding at a budget that holds the 3-product form's working set (fp32: chunks of the active
-    tokens' logits; bf16/fp16: the tiles and every active token's products) runs 3 products of
-    n x H x V (n active tokens); just below it (fp32: fewer than ONE_PASS_MIN_TOKENS tokens' logits) or
-    at 0, the two-pass tiles recompute what they did not keep (4 products at 0); the same loss and gradients
-    (fp32 within its rounding, bf16/fp16 bit for bit), as accurate as unfused."""
+    """GRPO with padding at a budget that holds the 3-product form's working set runs 3 products of
+    n x H x V (n active tokens): with fp32 GEMMs (fp32; fp16, bf16 without bf16 units) one pass over chunks of
+    ONE_PASS_MIN_TOKENS tokens' fp32 logits (low-precision weights: plus the weight's fp32 copy and fp32
+    gradient), with bf16 GEMMs the tiles and every active token's products. Just below it (fp32 GEMMs: the
+    tiles; bf16: all but one column kept) or at 0, the two-pass tiles recompute what they did not keep (4
+    products at 0); the same loss and gradients (bf16 GEMMs: bit for bit), as accurate as unfused."""
     flpl = importlib.import_module("bitrl.kernels.policy_loss.fused_linear")
     B, T, H, V = 4, 40, 16, 256
     h, w, y, old, adv, mask, _, _ = _case(B=B, T=T, H=H, V=V, dtype=dtype, seed=9)
     n = int(mask.sum())
     h2 = h.reshape(B * T, H)
-    if dtype == torch.float32:  # ONE_PASS_MIN_TOKENS (128) tokens' fp32 logits, no entropy
-        fits, below = 128 * V * 4, 128 * V * 4 - 1
+    fp32_gemms = tiled_cpu.tile_matmul_dtype(h2) == torch.float32
+    if fp32_gemms:  # ONE_PASS_MIN_TOKENS (128) tokens' fp32 logits, no entropy, and the [V, H] fp32 buffers
+        fits = 128 * V * 4 + (0 if dtype == torch.float32 else 2 * V * H * 4)
+        below = fits - 1
         assert flpl._torch_path("torch", h2, B, T, V, None, True, fits) == (False, (B, 128))
         assert flpl._torch_path("torch", h2, B, T, V, None, True, below)[0]
     else:
         fits = tiled_cpu.tile_bytes(n, V, h2, "loss") + n * V * tiled_cpu.tile_matmul_dtype(h2).itemsize
         below = fits - n  # all but one column kept
+        assert flpl._torch_path("torch", h2, B, T, V, None, True, 2**40)[0]  # the tiles, whatever the budget
         assert tiled_cpu.kept_columns(n, V, h2, "loss", fits) == V
         assert tiled_cpu.kept_columns(n, V, h2, "loss", below) == V - 1
     runs, products = {}, {}
     for budget in (fits, below, 0):
         meter = MultiplyAdds()
         with meter:
-            runs[budget] = _run(
-                fused_linear_policy_loss, h, w, y, old, adv, mask, impl="torch", memory_budget=budget
-            )
+            kw = dict(impl="torch", memory_budget=budget)
+            runs[budget] = _run(fused_linear_policy_loss, h, w, y, old, adv, mask, **kw)
         products[budget] = meter.madds / (n * H * V)
     assert products[fits] == 3 and products[0] == 4 and 3 < products[below] <= 4, products
     args64 = [x.double() if x.is_floating_point() else x for x in (h, w, y, old, adv, mask)]
     want = _run(fused_linear_policy_loss_reference, *args64)
     unf = _run(fused_linear_policy_loss_reference, h, w, y, old, adv, mask)
+    # fp32 GEMMs: fp32 sums in another order, rounded once to the output dtype (one ulp apart at most)
+    ulp = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+    tol = dict(atol=1e-6, rtol=ulp) if fp32_gemms else dict(atol=0, rtol=0)
     for i, name in enumerate(("loss", "d_hidden", "d_weight")):
         for budget in (below, 0):
-            tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)
             assert_close(runs[budget][i], runs[fits][i], **tol, what=f"{dtype} {name} at {budget}")
         assert_as_accurate(runs[fits][i], unf[i], want[i], atol=1e-6, rtol=1e-5, what=f"{dtype} {name}")
 
@@ -559,8 +564,9 @@ def test_tiles_narrower_and_wider_than_hidden_against_formula(
     """Random shapes, masked and ignored tokens, an empty sequence, -inf bias entries and logits in the
     hundreds; bf16 and fp16 tiles of every token by fewer vocabulary columns than H (with bf16 GEMMs each
     tile's partial d hidden goes through its own fp32 buffer) or more (through the free fp32 tile buffer);
-    fp32 takes the single pass. Against the GRPO formula in fp64 and at least as accurate as the unfused
-    path."""
+    fp32 takes the single pass, and so do fp16 and bf16 without bf16 units (fp32 GEMMs) at the default
+    budget; seed 1 runs at budget 0 (the tiles for every dtype but fp32, nothing kept). Against the GRPO
+    formula in fp64 and at least as accurate as the unfused path."""
     g = torch.Generator().manual_seed(100 + seed)
     B, T = int(torch.randint(2, 5, (1,), generator=g)), int(torch.randint(3, 9, (1,), generator=g))
     H, V = int(torch.randint(20, 48, (1,), generator=g)), int(torch.randint(70, 300, (1,), generator=g))

@@ -202,13 +202,16 @@ def _torch_path(
       gradient for the whole batch, then d hidden / d W tile by tile) on the torch backend, keeping for the
       second pass the products h W^T that the budget holds beside the tiles (``kept_columns``): 3 matmuls
       when it holds them all, 4 when it holds none:
-      - for bf16 and fp16 weights, so that dW is written block by block in its own dtype (each block one
-        bf16 matmul over every token, or summed in a one-block fp32 buffer where the matmuls run in fp32:
-        fp16, and bf16 on CPUs without bf16 units). One pass would accumulate dW across token chunks: an fp32
-        [V, H] buffer beside the bf16 gradient (128 MiB at V=32768, H=1024, where the two passes peak at
-        141 MiB in all at N=4096), and CPU bf16 matmuls only write bf16, so each chunk's partial dW would be
-        rounded before its fp32 sum. Keeping the bf16 products instead costs n x V x 2 bytes (224 MiB for
+      - for bf16 weights on a CPU with bf16 units, so that dW is written block by block in its own dtype
+        (each block one bf16 matmul over every token). One pass would accumulate dW across token chunks: an
+        fp32 [V, H] buffer beside the bf16 gradient (128 MiB at V=32768, H=1024, where the two passes peak
+        at 141 MiB in all at N=4096), and CPU bf16 matmuls only write bf16, so each chunk's partial dW would
+        be rounded before its fp32 sum. Keeping the bf16 products instead costs n x V x 2 bytes (224 MiB for
         the 3584 active tokens of N=4096, V=32768);
+      - for fp16 weights, and bf16 on a CPU without bf16 units (fp32 GEMMs of the low-precision operands),
+        when the budget does not also hold the one pass's fp32 copy of the weight and fp32 weight gradient
+        (2 x V x H x 4 bytes, 256 MiB at V=32768, H=1024) beside its chunk: then each dW block is summed in
+        a one-block fp32 buffer and rounded once;
       - for fp32 when the budget holds fewer than ``ONE_PASS_MIN_TOKENS`` tokens' logits (token-level
         losses) or less than one sequence's (other losses; V = 151936: 148 MiB at T = 256, 1.2 GiB at
         T = 2048): the tiles then split the vocabulary. Fewer tokens per chunk make the weight-gradient
@@ -221,7 +224,13 @@ def _torch_path(
         return False, (max(1, default_chunk_size(V, hidden.device) // max(T, 1)), None)
     tiles = True, (max(1, B), None)  # sized by TILE_BYTES["loss"]; they hold every sequence when they can
     if low:
-        return tiles
+        if tile_matmul_dtype(hidden) != acc_dtype(hidden):  # bf16 GEMMs: the tiles, products kept
+            return tiles
+        # fp32 GEMMs of low-precision operands (fp16; bf16 without bf16 units): the one pass also holds the
+        # weight's fp32 copy and its fp32 gradient, rounded once at the end
+        budget -= 2 * V * hidden.shape[1] * acc_dtype(hidden).itemsize
+        if budget < 0:
+            return tiles
     row_bytes = acc_dtype(hidden).itemsize * V * (2 if need_ent else 1)
     chunk_bytes = min(budget, device_budget(CHUNK_BYTES, hidden.device))
     if token_level:
@@ -399,10 +408,13 @@ def fused_linear_policy_loss(
     * fp32 (fp64) weights: one pass over chunks of active tokens (token-level losses, at least
       ``ONE_PASS_MIN_TOKENS``) or whole sequences, c tokens' fp32 logits (twice with the entropy) per chunk,
       as many as fit in min(budget, 128 MiB on CPU); when even the fewest do not fit, the tiles.
-    * bf16 / fp16 weights: the tiles (``TILE_BYTES["loss"]``, 32 MiB on CPU, or the whole [n, V] at 8 + 2
-      bytes an element when less; n active tokens) and, with what is left, the products h W^T of the first
-      vocabulary columns of every active token (n x k, 2 bytes for bf16 on a CPU with bf16 units, else 4),
-      read back by the gradient pass: k = V runs 3 products, k = 0 four.
+    * bf16 weights on a CPU with bf16 units: the tiles (``TILE_BYTES["loss"]``, 32 MiB on CPU, or the whole
+      [n, V] at 8 + 2 bytes an element when less; n active tokens) and, with what is left, the products
+      h W^T of the first vocabulary columns of every active token (n x k bf16), read back by the gradient
+      pass: k = V runs 3 products, k = 0 four.
+    * fp16 weights, and bf16 on a CPU without bf16 units (fp32 GEMMs): the one pass as for fp32 when the
+      budget also holds the fp32 copy of the weight and its fp32 gradient (2 x V x H x 4 bytes), else the
+      tiles as above, their products kept in fp32 (n x k x 4).
     Default (None): ``MEMORY_BUDGET`` of the device, 1 GiB on CPU; the trainer passes what its memory plan
     has to spare (``train.loss_memory_budget``). The Triton (CUDA) path always runs one pass. Returns
     ``(loss, metrics)`` like ``policy_loss``.
