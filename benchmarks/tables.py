@@ -544,7 +544,7 @@ def table_loss_chunks() -> str:
 
 FLOOR_LABELS = {
     "logprob_entropy/bitrl": "log-prob + entropy, bitrl (logits kept)",
-    "logprob_entropy/bitrl-recompute": "log-prob + entropy, bitrl, `keep_logits_bytes=0`",
+    "logprob_entropy/bitrl-recompute": "log-prob + entropy, bitrl, `memory_budget=0`",
     "logprob_entropy/naive": "log-prob + entropy, naive torch",
     "grpo_loss/bitrl": "GRPO loss, bitrl (one pass)",
     "grpo_loss/naive": "GRPO loss, naive torch",
@@ -554,7 +554,7 @@ FLOOR_LABELS = {
 def table_gemm_floor() -> str:
     name = "bench_gemm_floor.json"
     d = load(name)
-    shapes = [s for s in d if not s.startswith("bf16/")]
+    shapes = [s for s in d if not s.startswith(("bf16/", "forms/"))]
     out = []
     for key, label in FLOOR_LABELS.items():
         gemms = {d[s][key]["gemms"] for s in shapes}
@@ -595,6 +595,53 @@ def table_gemm_floor_bf16() -> str:
         "bitrl peak",
     ]
     return md(head, out, "lllrrrr") + source(name)
+
+
+FORM_LABELS = {
+    "naive": "naive torch",
+    "bitrl-default": "bitrl, default budget",
+    "bitrl-tight": "bitrl, budget 0",
+}
+
+
+def table_gemm_floor_forms() -> str:
+    """bench_gemm_floor.py --forms: both memory-budget forms against the floor and naive torch."""
+    name = "bench_gemm_floor.json"
+    d = load(name)
+    out = []
+    for key in (k for k in d if k.startswith("forms/")):
+        v = d[key]
+        mm = key.split("/cpu_bf16_matmul=")[1] if "/cpu_bf16_matmul=" in key else None
+        dtype = v["dtype"] + (f" (bitrl's GEMMs in {mm})" if mm else "")
+        for op, label in (("grpo_loss", "GRPO loss"), ("logprob_entropy", "log-prob + entropy")):
+            for variant, vlabel in FORM_LABELS.items():
+                r = v[f"{op}/{variant}"]
+                peak = r.get("peak_mib")
+                peak_text = f"{peak:.0f} MiB" if isinstance(peak, float) else "–"
+                vs_peer = f"{r['mem_vs_best_peer']:.2f}×" if "mem_vs_best_peer" in r else "–"
+                out.append(
+                    [
+                        f"{label}, {dtype}, {v['N']} × {v['V']}",
+                        vlabel,
+                        f"{r['products']:.3g}",
+                        f"{r['time_s']:.2f} s",
+                        f"{r['floor_fraction']:.2f}",
+                        f"{r['vs_naive']:.2f}×",
+                        peak_text,
+                        vs_peer,
+                    ]
+                )
+    head = [
+        "op, dtype, N × V",
+        "variant",
+        "products",
+        "time",
+        "fraction of the floor",
+        "vs naive torch",
+        "peak memory",
+        "vs best peer's memory",
+    ]
+    return md(head, out, "llrrrrrr") + source(name)
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -934,6 +981,7 @@ TABLES: dict[str, tuple[str, Callable[[], str], tuple[str, ...]]] = {
     "loss-chunks": ("kernels.md", table_loss_chunks, ("bench_loss_chunks.json",)),
     "gemm-floor": ("kernels.md", table_gemm_floor, ("bench_gemm_floor.json",)),
     "gemm-floor-bf16": ("kernels.md", table_gemm_floor_bf16, ("bench_gemm_floor.json",)),
+    "gemm-floor-forms": ("kernels.md", table_gemm_floor_forms, ("bench_gemm_floor.json",)),
     "kernel-resources": ("gpu.md", table_kernel_resources, ("kernel_resources.json",)),
     "gpu": ("gpu.md", table_gpu, ()),
     "study-mismatch": ("low_precision.md", table_study_mismatch, ("study_mismatch_200steps.json",)),
