@@ -96,8 +96,9 @@ def test_gemm_meter_counts_products_and_rounds_bf16_once():
 
 
 def test_bench_gemm_floor_bf16_split(tmp_path):
-    """At a tiny size: naive torch runs 3 products; bitrl's GRPO tiles 4 over the 7/8 of tokens that are not
-    padding; its log-prob + entropy keeps every logit, so 3."""
+    """At a tiny size: naive torch runs 3 products; bitrl's GRPO tiles keep every product at the default
+    memory budget, so 3 over the 7/8 of tokens that are not padding; its log-prob + entropy keeps every logit,
+    so 3."""
     from bitrl.benchmarks import bench_gemm_floor
 
     out = tmp_path / "floor.json"
@@ -106,7 +107,7 @@ def test_bench_gemm_floor_bf16_split(tmp_path):
     products = {k: v["products"] for k, v in rows.items() if isinstance(v, dict) and "products" in v}
     assert products == pytest.approx(
         {
-            "grpo_loss/bitrl": 3.5,
+            "grpo_loss/bitrl": 3 * 7 / 8,
             "grpo_loss/naive": 3.0,
             "logprob_entropy/bitrl": 3.0,
             "logprob_entropy/naive": 3.0,
