@@ -93,6 +93,28 @@ def make_prompts(tokenizer, count: int) -> list[list[int]]:
     return prompts
 
 
+def linear_products(model, rows: int, reps: int = 3) -> float:
+    """Seconds of one pass of torch.mm through every linear layer of `model` at `rows` rows (best of
+    `reps`): the products of one forward that no engine can avoid."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    dtype = linears[0].weight.dtype
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
+    best = float("inf")
+    for _ in range(reps + 1):  # the first one warms up
+        start = time.perf_counter()
+        for m in linears:
+            torch.mm(inputs[m.in_features], m.weight.t())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def floor_seconds(model, prompts, rows: int, tokens: int) -> float:
+    """The floor of a rollout of `prompts` that generated `tokens` tokens decoding `rows` rows at once: the
+    products of the prefill (every prompt token once) plus those of ceil(tokens / rows) decode steps."""
+    prefill = linear_products(model, sum(len(p) for p in prompts), reps=1)
+    return prefill + -(-tokens // rows) * linear_products(model, rows)
+
+
 def run_engine(name, model, prompts, new_tokens, eos_id, pad_id, seed, old_engine):
     """Generated tokens of one rollout (timed by the caller)."""
     g = torch.Generator().manual_seed(seed)
@@ -177,17 +199,29 @@ def main(argv=None):
                     row["tokens_per_s"] = tokens / seconds
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                # the floor of this repetition, right after its engines (same load), for the new engine's
+                # tokens (the same count for every engine of the fixed workload)
+                mine = [r for r in rows if r["dtype"] == dtype_name and r["workload"] == workload]
+                made = next((r["tokens"] for r in mine[::-1] if r["engine"] == "new"), mine[-1]["tokens"])
+                floor = floor_seconds(model, prompts, len(prompts), made)
+                row = dict(engine="floor", dtype=dtype_name, workload=workload, rep=rep, tokens=made)
+                row.update(seconds=floor, tokens_per_s=made / floor)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
         model.forward = plain_forward
     summary = summarize(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(prompts=args.prompts, new_tokens=args.new_tokens, reps=args.reps, **machine())
+    given = argv if argv is not None else sys.argv[1:]
+    meta["command"] = "python benchmarks/bench_rollout.py " + " ".join(given)
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows, summary=summary), indent=1))
     print(table(summary))
 
 
 def summarize(rows):
-    """Per (dtype, workload): each engine's median tokens/s, and the new engine's ratio to each other one
-    (median over repetitions of the per-repetition ratio)."""
+    """Per (dtype, workload): each engine's median tokens/s, the new engine's ratio to each other one
+    (median over repetitions of the per-repetition ratio), and each engine's fraction of the floor (median
+    over repetitions of floor seconds / its seconds)."""
     out = []
     keys = sorted({(r["dtype"], r["workload"]) for r in rows})
     for dtype, workload in keys:
@@ -210,6 +244,13 @@ def summarize(rows):
                     if o["engine"] == e and o["rep"] == n["rep"]
                 ]
                 entry[f"new_over_{e}"] = statistics.median(ratios)
+        if "floor" in engines:
+            floors = {r["rep"]: r["tokens_per_s"] for r in mine if r["engine"] == "floor"}
+            for e in engines:
+                if e != "floor":
+                    entry[f"{e}_fraction_of_floor"] = statistics.median(
+                        r["tokens_per_s"] / floors[r["rep"]] for r in mine if r["engine"] == e
+                    )
         out.append(entry)
     return out
 

@@ -151,22 +151,25 @@ def _rollout_rows(name: str) -> list[list]:
                 s["dtype"],
                 d["meta"].get("reps", "–"),
                 *(f"{v:.1f}" if v else "–" for v in tps.values()),
-                f"{s['new_over_old']:.2f}×",
+                f"{s['new_over_old']:.2f}×" if "new_over_old" in s else "–",
                 f"{min(over_hf):.2f}×" if over_hf else "–",
+                *(
+                    f"{s[f'{e}_fraction_of_floor']:.2f}" if f"{e}_fraction_of_floor" in s else "–"
+                    for e in ("new", "hf")
+                ),
             ]
         )
     return rows
 
 
+ROLLOUT_FILES = ("bench_rollout_floor_64x128.json",)
+
+
 def table_rollout() -> str:
-    names = [
-        "bench_rollout_cpu_fp32_64x128.json",
-        "bench_rollout_cpu_bf16_64x128.json",
-        "bench_rollout_cpu_bf16_longtail_64x128.json",
-    ]
-    rows = [r for n in names for r in _rollout_rows(n)]
-    head = ["workload", "dtype", "reps", *ROLLOUT_ENGINES, "new / old", "new / best hf"]
-    return md(head, rows, "lllrrrrrrr") + source(*names)
+    rows = [r for n in ROLLOUT_FILES for r in _rollout_rows(n)]
+    head = ["workload", "dtype", "reps", *ROLLOUT_ENGINES, "new / old", "new / best hf", "new / floor"]
+    head.append("hf / floor")
+    return md(head, rows, "lllrrrrrrrrr") + source(*ROLLOUT_FILES)
 
 
 # --------------------------------------------------------------------------------------------- reuse
@@ -921,9 +924,12 @@ DESCRIPTIONS = {
     "bench_reuse_long_smollm2_4seeds.json": "speculative reuse on SmolLM2's long responses",
     "bench_rollout_cpu_64x128.json": "rollout throughput, an earlier engine (superseded; no table)",
     "bench_rollout_cpu_8x24.json": "rollout throughput, 8 × 24, an earlier engine (superseded; no table)",
-    "bench_rollout_cpu_bf16_64x128.json": "rollout throughput, bf16, before the row compaction",
-    "bench_rollout_cpu_bf16_longtail_64x128.json": "rollout throughput, bf16 long tail",
-    "bench_rollout_cpu_fp32_64x128.json": "rollout throughput, fp32",
+    "bench_rollout_cpu_bf16_64x128.json": "rollout throughput, bf16 emulated (no bf16 units), before the "
+    "row compaction (superseded; no table)",
+    "bench_rollout_cpu_bf16_longtail_64x128.json": "rollout throughput, bf16 long tail, emulated "
+    "(superseded; no table)",
+    "bench_rollout_cpu_fp32_64x128.json": "rollout throughput, fp32, before the floor column (superseded; no "
+    "table)",
     "bench_trainer.json": "update throughput and memory at SmolLM2-135M's size",
     "kernel_resources.json": "every Triton specialization compiled for sm_90 / sm_100",
     "study_mismatch_200steps.json": "low-precision rollouts and corrections on the demo, 200 steps",
@@ -956,15 +962,7 @@ def table_index() -> str:
 
 # name -> (page, renderer, results files read)
 TABLES: dict[str, tuple[str, Callable[[], str], tuple[str, ...]]] = {
-    "rollout": (
-        "rollout.md",
-        table_rollout,
-        (
-            "bench_rollout_cpu_fp32_64x128.json",
-            "bench_rollout_cpu_bf16_64x128.json",
-            "bench_rollout_cpu_bf16_longtail_64x128.json",
-        ),
-    ),
+    "rollout": ("rollout.md", table_rollout, ROLLOUT_FILES),
     "reuse-12seeds": ("rollout.md", table_reuse_12seeds, ("bench_reuse_12seeds.json",)),
     "reuse-lenience": ("rollout.md", table_reuse_lenience, ("bench_reuse_lenience_6seeds.json",)),
     "reuse-16epochs": ("rollout.md", table_reuse_16epochs, ("bench_reuse_16epochs_12seeds.json",)),
