@@ -64,6 +64,8 @@ def architecture_config(name: str, **overrides):
         raise ValueError(f"unknown architecture {name!r}; known: {sorted(ARCHITECTURES)}")
     model_type, fields = ARCHITECTURES[name]
     return {"llama": LlamaConfig, "qwen2": Qwen2Config}[model_type](**{**fields, **overrides})
+
+
 PACKAGE_PREFIX = "package:"
 
 
