@@ -65,8 +65,12 @@ SHAPES = [  # rows, kv_heads, group, steps (T), head_dim, width, columns
 @pytest.mark.parametrize("fp8_cache", [True, False], ids=["fp8-cache", "same-dtype-cache"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "R{}h{}g{}T{}d{}W{}".format(*s[:6]))
 def test_kernel_matches_the_reference(q_dtype, fp8_cache, shape):
+    _check_shape_against_the_reference(q_dtype, fp8_cache, shape, triton_device(), "triton")
+
+
+def _check_shape_against_the_reference(q_dtype, fp8_cache, shape, device, impl):
+    """decode_attention(impl=impl) on `device` against the reference, per-token and per-query masks."""
     rows, kv_heads, group, steps, dim, width, columns = shape
-    dev = triton_device()
     for per_query_mask in (False, True) if group > 1 else (False,):
         q, k, v, visible = _case(
             sum(shape) + per_query_mask,
@@ -81,9 +85,9 @@ def test_kernel_matches_the_reference(q_dtype, fp8_cache, shape):
             columns=columns,
             per_query_mask=per_query_mask,
         )
-        q, k, v, visible = (t.to(dev) for t in (q, k, v, visible))
+        q, k, v, visible = (t.to(device) for t in (q, k, v, visible))
         scale = dim**-0.5
-        out = decode_attention(q, k, v, visible, scale, impl="triton")
+        out = decode_attention(q, k, v, visible, scale, impl=impl)
         _assert_close_to_reference(out.cpu(), q.cpu(), k.cpu(), v.cpu(), visible.cpu(), scale)
 
 
@@ -174,23 +178,7 @@ HOST_SHAPES = [s for s in SHAPES if s[4] % 16 == 0] + [(2, 1, 3, 1, 64, 37, 64)]
 def test_host_kernel_matches_the_reference(q_dtype, fp8_cache, shape):
     """The CPU path (csrc/attention_host.cc) against the fp64 reference."""
     _needs_host()
-    rows, kv_heads, group, steps, dim, width, columns = shape
-    for per_query_mask in (False, True) if group > 1 else (False,):
-        q, k, v, visible = _case(
-            sum(shape) + per_query_mask,
-            q_dtype,
-            FP8 if fp8_cache else q_dtype,
-            rows=rows,
-            kv_heads=kv_heads,
-            group=group,
-            steps=steps,
-            dim=dim,
-            width=width,
-            columns=columns,
-            per_query_mask=per_query_mask,
-        )
-        out = decode_attention(q, k, v, visible, dim**-0.5, impl="torch")
-        _assert_close_to_reference(out, q, k, v, visible, dim**-0.5)
+    _check_shape_against_the_reference(q_dtype, fp8_cache, shape, "cpu", "torch")
 
 
 @pytest.mark.parametrize("q_dtype", HOST_DTYPES)
