@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bitrl.kernels.aligned import aligned_logprobs
 from bitrl.rollout.decoder import Decoder, KVCache
 from bitrl.rollout.settings import EngineOptions, Sampling
 
@@ -160,8 +161,17 @@ def next_tokens(decoder: Decoder, st: Slots, sampling: Sampling, width: int):
         st.token[:, None], st.position[:, None], st.cache, column[:, None], st.visible[:, None, :width]
     )
     logits = decoder.logits(hidden[:, -1])
-    tok, lp = sampling.draw(logits, st.seed, st.counter)
+    tok, lp = draw(decoder, sampling, logits, st.seed, st.counter)
     return tok, lp, logits
+
+
+def draw(decoder: Decoder, sampling: Sampling, logits: torch.Tensor, seeds, counters):
+    """`sampling.draw`: (tokens [S] int64, logprobs [S] fp32). In the aligned mode the log-probs are
+    bitrl.kernels.aligned's of the same logits, the bits the aligned trainer gives the same tokens."""
+    tok, lp = sampling.draw(logits, seeds, counters)
+    if decoder.aligned and sampling.temperature > 0:
+        lp = aligned_logprobs(logits, tok, sampling.temperature)[0]
+    return tok, lp
 
 
 def decode_step(decoder: Decoder, st: Slots, out: Outputs, sampling: Sampling, width: int, model_part):
@@ -269,7 +279,7 @@ def compiled_next_tokens(options: EngineOptions, device):
     """The model part of the decode step as `options` ask on `device`: `next_tokens`, or with compile on,
     `next_tokens` under torch.compile, one per device type: CUDA graphs ("reduce-overhead") on CUDA, a plain
     compile elsewhere (a process that compiled on the CPU first still gets its graphs on the GPU)."""
-    use = options.compile if options.compile != "auto" else device.type == "cuda"
+    use = options.compile if options.compile != "auto" else device.type == "cuda" and not options.aligned
     if not use:
         return next_tokens
     if device.type not in _COMPILED_NEXT_TOKENS:

@@ -24,6 +24,13 @@ from functools import cache as memoize
 import torch
 import torch.nn.functional as F
 
+from bitrl.kernels.aligned import (
+    aligned_attention,
+    aligned_linear,
+    aligned_rms_norm,
+    aligned_silu_mul,
+    check_aligned_dtype,
+)
 from bitrl.kernels.decode_attention import decode_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -32,6 +39,7 @@ FP8_MAX = 448.0
 # New tokens per row up to which the CPU attends through decode_attention (decode steps, drafts) rather than
 # SDPA (prefill)
 CPU_KERNEL_TOKENS = 16
+ROPE_BLOCK = 64  # positions per rotary call when the aligned mode builds its table
 
 
 @memoize
@@ -55,6 +63,38 @@ def check_cache_filled(cache, tokens: int) -> None:
             f"the model's forward did not fill the KV cache it was given ({cache.get_seq_length()} of "
             f"{tokens} positions): this transformers release names the cache argument differently"
         )
+
+
+def linear_weights(module, dtype: torch.dtype):
+    """(weight [out, in], bias [out] or None) of a linear layer in `dtype`, differentiable: an nn.Linear's
+    own, or a LoRA layer's merged W + (alpha / r) B A computed as the rollout copy holds it (in fp32, then
+    cast), so the aligned trainer and its rollout copy multiply by the same bits."""
+    from bitrl.rollout.lora_merge import ADAPTER, is_lora_layer, merged_weight
+
+    if is_lora_layer(module):
+        dropout = module.lora_dropout[ADAPTER]
+        if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
+            raise ValueError("rollout.aligned: merged LoRA weights take no dropout; set model.lora.dropout=0")
+        weight, bias = merged_weight(module, dtype), module.base_layer.bias
+    elif isinstance(module, torch.nn.Linear):
+        weight, bias = module.weight.to(dtype), module.bias
+    else:
+        raise ValueError(
+            f"rollout.aligned: runs full-precision linear layers (and LoRA on them), got {type(module).__name__}"
+        )
+    return weight, None if bias is None else bias.to(dtype)
+
+
+def check_aligned_model(model, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise, naming the reason, where the aligned mode cannot make `model`'s tokens batch-invariant."""
+    check_aligned_dtype(dtype, device)
+    config = model.config
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"rollout.aligned: the MLP's activation must be silu, got {act!r}")
+    head_dim = model.model.layers[0].self_attn.head_dim
+    if torch.device(device).type == "cpu" and head_dim % 16:
+        raise ValueError(f"rollout.aligned: the CPU attention kernel needs head_dim % 16 == 0, got {head_dim}")
 
 
 # --------------------------------------------------------------------------- the model, run step by step
@@ -132,10 +172,16 @@ class Decoder:
 
     Attention over a cache is defined by three things per row: the columns its new tokens are written to,
     their positions (for the rotary embedding), and which cache columns each new token may see. The prefill,
-    the decode step and the verification of a draft tree are the same call with different masks.
+    the decode step and the verification of a draft tree are the same call with different masks; without a
+    cache (the trainer's forward) the tokens attend to each other.
+
+    aligned: the matched-precision mode (bitrl.kernels.aligned): every op batch-invariant, so that a token's
+    hidden state has the same bits in a decode step, a prefill and the trainer's forward over the whole
+    sequence. dtype: the compute dtype (default the weights'; a trainer under bf16 autocast passes bf16 and
+    the weights are cast per forward, differentiably, as the rollout copy holds them cast once).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, aligned: bool = False, dtype: torch.dtype | None = None):
         config = model.config
         model_type = getattr(config, "model_type", type(model).__name__)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -157,8 +203,13 @@ class Decoder:
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         self.kv_heads = config.num_key_value_heads
         self.heads = config.num_attention_heads
-        self.dtype = self.inner.embed_tokens.weight.dtype
         self.device = self.inner.embed_tokens.weight.device
+        # compute dtype: the weights' own, or (a trainer under autocast) the dtype they are cast to
+        self.dtype = dtype or self.inner.embed_tokens.weight.dtype
+        self.aligned = aligned
+        self._rope = None
+        if aligned:
+            check_aligned_model(model, self.dtype, self.device)
 
     def new_cache(self, rows: int, columns: int, kv_cache_dtype: str = "auto") -> KVCache:
         dtype = KV_CACHE_DTYPES[kv_cache_dtype] or self.dtype
@@ -168,17 +219,18 @@ class Decoder:
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache,
-        cols: torch.Tensor,
+        cache: KVCache | None,
+        cols: torch.Tensor | None,
         visible: torch.Tensor,
     ) -> torch.Tensor:
         """Final-norm hidden states [R, T, H] of tokens ids [R, T] at positions [R, T], written into cache
         row r at columns cols [R, T]; visible [R, T, W] bool: the cache columns each token attends to (its own
-        column included), W <= cache.columns."""
+        column included), W <= cache.columns. cache None: no cache, the tokens attend to each other
+        (visible [R, T, T]; the trainer's forward, differentiable in the aligned mode)."""
         rows, steps = ids.shape
         width = visible.shape[-1]
-        x = self.inner.embed_tokens(ids)
-        cos, sin = self.inner.rotary_emb(x, positions)
+        x = self._embed(ids)
+        cos, sin = self._rotary(x, positions)
         cos, sin = cos[:, None], sin[:, None]
         # Grouped-query attention as one block of queries per KV head: query head h = j * group + g reads KV
         # head j, so the [R, heads, T, d] queries view as [R, kv_heads, group * T, d]. No enable_gqa and no
@@ -186,38 +238,86 @@ class Decoder:
         # memory-efficient kernel takes masks but not GQA), which builds the [R, heads, T, W] scores.
         group = self.heads // self.kv_heads
         # decode_attention: on CUDA for an fp8 cache (read in the kernel, not cast); on the CPU for a decode
-        # step or a draft (the host kernel: SDPA's CPU kernel pays per tiny batched product)
-        kernel_attention = (
-            cache.dtype == torch.float8_e4m3fn if self.device.type == "cuda" else steps <= CPU_KERNEL_TOKENS
-        )
+        # step or a draft (the host kernel: SDPA's CPU kernel pays per tiny batched product); always in the
+        # aligned mode (its reductions do not depend on the rows, tokens or masked columns)
+        fp8 = cache is not None and cache.dtype == torch.float8_e4m3fn
+        kernel_attention = self.aligned or (fp8 if self.device.type == "cuda" else steps <= CPU_KERNEL_TOKENS)
         mask = (
             visible[:, None, None].expand(rows, 1, group, steps, width).reshape(rows, 1, group * steps, width)
         )
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(rows, steps, -1, self.head_dim)
-            k = attn.k_proj(h).view(rows, steps, -1, self.head_dim)
-            v = attn.v_proj(h).view(rows, steps, -1, self.head_dim)
+            h = self._norm(layer.input_layernorm, x)
+            q = self._linear(attn.q_proj, h).view(rows, steps, -1, self.head_dim)
+            k = self._linear(attn.k_proj, h).view(rows, steps, -1, self.head_dim)
+            v = self._linear(attn.v_proj, h).view(rows, steps, -1, self.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3
-                q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            cache.write(i, k, v, cols)
-            q = q.reshape(rows, self.kv_heads, group * steps, self.head_dim)
-            if kernel_attention:
-                o = decode_attention(q, cache.k[i], cache.v[i], visible, self.scaling)
+            if cache is not None:
+                cache.write(i, k, v, cols)
+                keys, values = cache.k[i], cache.v[i]
             else:
-                keys, values = cache.read(i, width, q.dtype)
+                keys, values = k, v
+            q = q.reshape(rows, self.kv_heads, group * steps, self.head_dim)
+            if self.aligned:
+                o = aligned_attention(q, keys, values, visible, self.scaling)
+            elif kernel_attention:
+                o = decode_attention(q, keys, values, visible, self.scaling)
+            else:
+                if cache is not None:
+                    keys, values = cache.read(i, width, q.dtype)
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
             o = o.view(rows, self.heads, steps, self.head_dim)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(rows, steps, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.inner.norm(x)
+            x = x + self._linear(attn.o_proj, o.transpose(1, 2).reshape(rows, steps, -1))
+            x = x + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x))
+        return self._norm(self.inner.norm, x)
+
+    # The model's modules, or (aligned) their batch-invariant forms on the same weights.
+
+    def _embed(self, ids):
+        table = self.inner.embed_tokens
+        return table(ids) if not self.aligned else F.embedding(ids, table.weight.to(self.dtype))
+
+    def _norm(self, norm, x):
+        if not self.aligned:
+            return norm(x)
+        return aligned_rms_norm(x, norm.weight.to(self.dtype), norm.variance_epsilon)
+
+    def _linear(self, module, x):
+        if not self.aligned:
+            return module(x)
+        return aligned_linear(x, *linear_weights(module, self.dtype))
+
+    def _mlp(self, mlp, x):
+        if not self.aligned:
+            return mlp(x)
+        gated = aligned_silu_mul(self._linear(mlp.gate_proj, x), self._linear(mlp.up_proj, x))
+        return self._linear(mlp.down_proj, gated)
+
+    def _rotary(self, x, positions):
+        if not self.aligned:
+            return self.inner.rotary_emb(x, positions)
+        # A table built in fixed blocks of positions: each entry's bits depend on its position alone (one
+        # rotary call over all positions would put an entry in a vector loop's body or in its scalar tail
+        # depending on how many there are).
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if self._rope is None or self._rope[0].shape[0] < need:
+            size = -(-max(need, 2 * (0 if self._rope is None else self._rope[0].shape[0])) // ROPE_BLOCK)
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            parts = [
+                self.inner.rotary_emb(probe, torch.arange(s, s + ROPE_BLOCK, device=self.device)[None])
+                for s in range(0, size * ROPE_BLOCK, ROPE_BLOCK)
+            ]
+            self._rope = (torch.cat([c[0] for c, _ in parts]), torch.cat([s[0] for _, s in parts]))
+        cos, sin = self._rope
+        return cos[positions], sin[positions]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden)
+        """The LM head's logits [..., V] in the compute dtype."""
+        return self._linear(self.head, hidden)
 
 
 @torch.no_grad()

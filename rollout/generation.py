@@ -16,7 +16,7 @@ import torch
 
 from bitrl.kernels.sampling import draw_step_seed, sample_seeds
 from bitrl.rollout.batch import Rollout, distinct_prompts
-from bitrl.rollout.decode_loop import Contexts, Outputs, compiled_next_tokens, decode
+from bitrl.rollout.decode_loop import Contexts, Outputs, compiled_next_tokens, decode, draw
 from bitrl.rollout.decoder import Decoder, prefill
 from bitrl.rollout.settings import EngineOptions, Sampling
 
@@ -48,7 +48,7 @@ class RolloutEngine:
         self.model = model
         self.sampling = sampling
         self.options = options if options is not None else EngineOptions()
-        self.decoder = Decoder(model)
+        self.decoder = Decoder(model, aligned=self.options.aligned)
         self.next_tokens = compiled_next_tokens(self.options, self.decoder.device)
 
     @property
@@ -105,7 +105,7 @@ class RolloutEngine:
         for start in range(0, rows.shape[0], chunk):
             part = slice(start, start + chunk)
             logits = self.decoder.logits(hidden[rows[part]])
-            tok, lp = self.sampling.draw(logits, seeds[part], counter[part])
+            tok, lp = draw(self.decoder, self.sampling, logits, seeds[part], counter[part])
             toks.append(tok)
             lps.append(lp)
         return torch.cat(toks), torch.cat(lps)

@@ -17,6 +17,14 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
+def is_lora_layer(module: nn.Module) -> bool:
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # no peft, no LoRA layers
+        return False
+    return isinstance(module, LoraLayer)
+
+
 def has_lora(model: nn.Module) -> bool:
     return bool(lora_layers(model))
 
@@ -32,7 +40,8 @@ def base_weight(layer: nn.Module, dtype: torch.dtype | None = None) -> torch.Ten
 
 
 def merged_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """W + (alpha / r) B A of a LoraLayer, computed in fp32 and returned in `dtype`: [out, in]."""
+    """W + (alpha / r) B A of a LoraLayer, computed in fp32 and returned in `dtype`: [out, in];
+    differentiable in the adapters (the base is detached)."""
     delta = layer.get_delta_weight(ADAPTER).float()
     return (base_weight(layer, torch.float32) + delta).to(dtype)
 

@@ -68,12 +68,15 @@ class EngineOptions:
     compiled step ran at 0.94x the eager one, SmolLM2-135M bf16 at 64 rows, see README; a compiled step keeps
     max_batch_rows slots at a power-of-two width, so rollouts of any size share its graphs, finished slots
     are recycled and the batch never shrinks); sync_every: decode steps between host looks at the finished
-    rows (None: 1 on CPU, where a look costs nothing, 8 on CUDA)."""
+    rows (None: 1 on CPU, where a look costs nothing, 8 on CUDA); aligned: the matched-precision mode
+    (bitrl.kernels.aligned: every op batch-invariant, the log-probs those the aligned trainer computes; not
+    compiled, and the KV cache in the model's dtype)."""
 
     max_batch_rows: int = 256
     kv_cache_dtype: str = "auto"
     compile: bool | str = "auto"
     sync_every: int | None = None
+    aligned: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.max_batch_rows, int) and self.max_batch_rows >= 1):
@@ -86,6 +89,10 @@ class EngineOptions:
             raise ValueError(f"compile: must be true, false or 'auto', got {self.compile!r}")
         if self.sync_every is not None and not (isinstance(self.sync_every, int) and self.sync_every >= 1):
             raise ValueError(f"sync_every: must be an int >= 1 or None, got {self.sync_every!r}")
+        if self.aligned and self.compile is True:
+            raise ValueError("aligned: the aligned decode step is not compiled; set compile to false or 'auto'")
+        if self.aligned and self.kv_cache_dtype != "auto":
+            raise ValueError("aligned: the trainer holds no fp8 K/V; set kv_cache_dtype to 'auto'")
 
     @classmethod
     def from_config(cls, rollout_cfg) -> EngineOptions:
@@ -94,4 +101,5 @@ class EngineOptions:
             max_batch_rows=rollout_cfg.max_batch_rows,
             kv_cache_dtype=rollout_cfg.kv_cache_dtype,
             compile=rollout_cfg.compile,
+            aligned=rollout_cfg.aligned,
         )

@@ -1,7 +1,9 @@
 """The trainer's forward: per-token log-probs and entropies of a rollout's responses under the policy.
 
 The base model runs over prompt + response; the LM head is applied inside `bitrl.kernels.fused_logprobs`,
-which never builds the [tokens, vocab] logits.
+which never builds the [tokens, vocab] logits. In the matched-precision mode (rollout.aligned) the model runs
+as the rollout decoder runs it, every op batch-invariant (bitrl.kernels.aligned), so each token's log-prob
+has the bits the rollout recorded for it.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from bitrl.kernels import fused_logprobs
+from bitrl.kernels.aligned import aligned_token_logprobs
 from bitrl.rollout.batch import Rollout
+from bitrl.rollout.decoder import Decoder, linear_weights
 
 
 def response_hidden_states(model, rollout: Rollout) -> torch.Tensor:
@@ -59,3 +63,34 @@ def token_logprobs(
     )
     entropy = entropy.view(batch, length) if entropy is not None else None
     return logprobs.view(batch, length), entropy
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The dtype the forward computes in: bf16/fp16 under autocast, else the weights'."""
+    device = next(model.parameters()).device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return model.get_input_embeddings().weight.dtype
+
+
+def aligned_response_hidden_states(model, rollout: Rollout) -> torch.Tensor:
+    """`response_hidden_states` by the rollout decoder's aligned forward, in compute_dtype(model)."""
+    ids, mask, pos = rollout.full_sequence()
+    col = torch.arange(ids.shape[1], device=ids.device)
+    visible = (col[None, :] <= col[:, None])[None] & mask[:, None, :]  # [B, T, T]: causal, real tokens
+    hidden = Decoder(model, aligned=True, dtype=compute_dtype(model)).hidden(ids, pos, None, None, visible)
+    prompt_len, response_len = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
+    return hidden[:, prompt_len - 1 : prompt_len - 1 + response_len]
+
+
+def aligned_token_logprobs_of(model, rollout: Rollout, temperature: float = 1.0):
+    """(logprobs [B, R] fp32, entropy [B, R] fp32) of the response tokens by the aligned forward (the bits
+    the aligned rollout engine recorded for them); positions outside the response mask hold 0 (log-prob)."""
+    hidden = aligned_response_hidden_states(model, rollout)
+    batch, length, width = hidden.shape
+    weight, bias = linear_weights(model.get_output_embeddings(), hidden.dtype)
+    targets = rollout.response_ids.masked_fill(~rollout.response_mask, -100)
+    logprobs, entropy = aligned_token_logprobs(
+        hidden.reshape(-1, width), weight, targets.reshape(-1), temperature, bias
+    )
+    return logprobs.view(batch, length), entropy.view(batch, length)

@@ -1,0 +1,212 @@
+// The row-wise parts of bitrl's matched-precision mode on the CPU (bitrl.kernels.aligned): RMSNorm, the
+// gated SiLU of the MLP, and the log-softmax statistics of logits rows. The rollout decoder (rows x 1 token
+// per step) and the trainer's forward (rows x sequence) call these same functions, so each output depends
+// on its own row only: the order of every sum is fixed by the row length, never by the number of rows, the
+// threads or the vector width (each of the 16 lanes sums every 16th term in ascending order, then the lanes
+// are added in a fixed tree; host_math.h's polynomial replaces libm's exp, which differs between its scalar
+// and vector forms). Built with -ffp-contract=off: no FMA contraction, so every clone gives the same bits.
+//
+// Numerics: fp32 throughout; bf16 inputs widened exactly, outputs rounded to nearest even.
+#include <math.h>
+#include <stdint.h>
+
+#include "host_math.h"
+
+using bitrl_host::bf16_to_float;
+using bitrl_host::exp2_poly;
+using bitrl_host::float_to_bf16;
+using bitrl_host::kLog2e;
+
+namespace {
+
+constexpr int kLanes = 16;
+
+template <bool kBf16>
+inline float load(const void* base, int64_t i) {
+  if constexpr (kBf16) return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+  return static_cast<const float*>(base)[i];
+}
+
+// Rounds to the storage dtype and back: the value a tensor of that dtype holds.
+template <bool kBf16>
+inline float round_to(float x) {
+  if constexpr (kBf16) return x != x ? x : bf16_to_float(float_to_bf16(x));
+  return x;
+}
+
+template <bool kBf16>
+inline void store(void* base, int64_t i, float x) {
+  if constexpr (kBf16) {
+    static_cast<uint16_t*>(base)[i] = x != x ? (uint16_t)0x7FC0u : float_to_bf16(x);
+  } else {
+    static_cast<float*>(base)[i] = x;
+  }
+}
+
+inline float lane_total(float* lane) {
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
+  }
+  return lane[0];
+}
+
+// out = w * round(x / sqrt(mean(x^2) + eps)), as Hugging Face's Llama RMSNorm writes it.
+template <bool kBf16>
+__attribute__((always_inline)) inline void rms_norm_row(const void* x, const void* w, void* out, int64_t row,
+                                                        int64_t h, float eps) {
+  const int64_t off = row * h;
+  float lane[kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= h; c += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = load<kBf16>(x, off + c + j);
+      lane[j] += v * v;
+    }
+  }
+  for (int j = 0; c + j < h; ++j) {
+    const float v = load<kBf16>(x, off + c + j);
+    lane[j] += v * v;
+  }
+  const float inv = 1.0f / sqrtf(lane_total(lane) / (float)h + eps);
+  for (int64_t k = 0; k < h; ++k) {
+    const float y = round_to<kBf16>(load<kBf16>(x, off + k) * inv);
+    store<kBf16>(out, off + k, load<kBf16>(w, k) * y);
+  }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void rms_norm_bf16(const void* x, const void* w,
+                                                                                void* out, int64_t rows,
+                                                                                int64_t h, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) rms_norm_row<true>(x, w, out, r, h, eps);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void rms_norm_f32(const void* x, const void* w,
+                                                                               void* out, int64_t rows,
+                                                                               int64_t h, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) rms_norm_row<false>(x, w, out, r, h, eps);
+}
+
+// out = round(round(silu(g)) * u), silu(g) = g / (1 + e^-g): the MLP's act_fn(gate) * up, each product
+// rounded to the storage dtype as the two torch ops would.
+template <bool kBf16>
+__attribute__((always_inline)) inline void silu_mul_range(const void* gate, const void* up, void* out,
+                                                          int64_t start, int64_t end) {
+  for (int64_t i = start; i < end; ++i) {
+    const float g = load<kBf16>(gate, i);
+    const float s = round_to<kBf16>(g / (1.0f + exp2_poly(-g * kLog2e)));
+    store<kBf16>(out, i, s * load<kBf16>(up, i));
+  }
+}
+
+constexpr int64_t kChunk = 4096;
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void silu_mul_bf16(const void* gate, const void* up,
+                                                                                void* out, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t s = 0; s < n; s += kChunk) silu_mul_range<true>(gate, up, out, s, s + kChunk < n ? s + kChunk : n);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void silu_mul_f32(const void* gate, const void* up,
+                                                                               void* out, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t s = 0; s < n; s += kChunk) silu_mul_range<false>(gate, up, out, s, s + kChunk < n ? s + kChunk : n);
+}
+
+// One logits row z [v] at u = z * inv_t: lse = max + log(sum 2^((u - max) log2 e)), logprob = u[target] - lse
+// (0 for target < 0), entropy = lse - sum p u. A NaN anywhere in the row makes both NaN.
+template <bool kBf16>
+__attribute__((always_inline)) inline void logprob_row(const void* z, int64_t off, int64_t v, float inv_t,
+                                                       int64_t target, float* lp, float* entropy) {
+  float mx = -INFINITY;
+  bool nan = false;
+  for (int64_t c = 0; c < v; ++c) {
+    const float u = load<kBf16>(z, off + c) * inv_t;
+    nan |= u != u;
+    mx = u > mx ? u : mx;
+  }
+  if (nan || mx == -INFINITY) {  // no finite maximum: nothing to normalise
+    *lp = NAN;
+    *entropy = NAN;
+    return;
+  }
+  float mass[kLanes] = {}, moment[kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= v; c += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float u = load<kBf16>(z, off + c + j) * inv_t;
+      const float e = exp2_poly((u - mx) * kLog2e);
+      mass[j] += e;
+      moment[j] += u == -INFINITY ? 0.0f : e * u;  // e = 0 there: 0 * -inf would be NaN
+    }
+  }
+  for (int j = 0; c + j < v; ++j) {
+    const float u = load<kBf16>(z, off + c + j) * inv_t;
+    const float e = exp2_poly((u - mx) * kLog2e);
+    mass[j] += e;
+    moment[j] += u == -INFINITY ? 0.0f : e * u;
+  }
+  const float total = lane_total(mass);
+  const float lse = mx + logf(total);
+  *entropy = lse - lane_total(moment) / total;
+  *lp = target < 0 ? 0.0f : load<kBf16>(z, off + target) * inv_t - lse;
+}
+
+template <bool kBf16>
+void logprobs(const void* z, const int64_t* targets, int64_t rows, int64_t v, int64_t ld, float inv_t, float* lp,
+              float* entropy) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) logprob_row<kBf16>(z, r * ld, v, inv_t, targets[r], lp + r, entropy + r);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void logprobs_bf16(const void* z,
+                                                                                const int64_t* targets,
+                                                                                int64_t rows, int64_t v,
+                                                                                int64_t ld, float inv_t,
+                                                                                float* lp, float* entropy) {
+  logprobs<true>(z, targets, rows, v, ld, inv_t, lp, entropy);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void logprobs_f32(const void* z,
+                                                                               const int64_t* targets,
+                                                                               int64_t rows, int64_t v,
+                                                                               int64_t ld, float inv_t,
+                                                                               float* lp, float* entropy) {
+  logprobs<false>(z, targets, rows, v, ld, inv_t, lp, entropy);
+}
+
+}  // namespace
+
+extern "C" {
+
+// x, out: [rows, h] contiguous; w: [h]; all bf16 (bf16 = 1) or all fp32.
+void bitrl_aligned_rms_norm(const void* x, const void* w, void* out, int64_t rows, int64_t h, float eps,
+                            int bf16) {
+  if (bf16) {
+    rms_norm_bf16(x, w, out, rows, h, eps);
+  } else {
+    rms_norm_f32(x, w, out, rows, h, eps);
+  }
+}
+
+// gate, up, out: n contiguous elements, all bf16 or all fp32.
+void bitrl_aligned_silu_mul(const void* gate, const void* up, void* out, int64_t n, int bf16) {
+  if (bf16) {
+    silu_mul_bf16(gate, up, out, n);
+  } else {
+    silu_mul_f32(gate, up, out, n);
+  }
+}
+
+// z: [rows, v] with row stride ld (elements); targets: [rows] int64 (< 0: no target); lp, entropy: [rows] fp32.
+void bitrl_aligned_logprobs(const void* z, const int64_t* targets, int64_t rows, int64_t v, int64_t ld,
+                            float inv_t, float* lp, float* entropy, int bf16) {
+  if (bf16) {
+    logprobs_bf16(z, targets, rows, v, ld, inv_t, lp, entropy);
+  } else {
+    logprobs_f32(z, targets, rows, v, ld, inv_t, lp, entropy);
+  }
+}
+
+}  // extern "C"
