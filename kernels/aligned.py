@@ -1,6 +1,6 @@
 """Batch-invariant forms of a Llama-family model's operations: bitrl's matched-precision mode
-(``rollout.aligned``), in which the rollout decoder (rows x 1 token per step over a KV cache) and the trainer's
-forward (rows x sequence at once) give every token the same bits.
+(``rollout.aligned``), in which the rollout decoder (rows x 1 token per step over a KV cache) and the
+trainer's forward (rows x sequence at once) give every token the same bits.
 
 A kernel library reduces in an order that may depend on the shape it is handed: the number of rows picks
 another GEMM kernel, a reduction over a short output is split across threads, an elementwise op takes its
@@ -243,7 +243,9 @@ def aligned_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """round(round(silu(gate)) * up), elementwise in fp32, for gate and up of one shape and dtype (the Llama
     MLP's act_fn(gate_proj(x)) * up_proj(x)). Differentiable."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"aligned_silu_mul: gate {list(gate.shape)} {gate.dtype}, up {list(up.shape)} {up.dtype}")
+        raise ValueError(
+            f"aligned_silu_mul: gate {list(gate.shape)} {gate.dtype}, up {list(up.shape)} {up.dtype}"
+        )
     shape = gate.shape
     gate2, up2 = gate.reshape(-1, shape[-1]).contiguous(), up.reshape(-1, shape[-1]).contiguous()
     with torch.autocast(gate.device.type, enabled=False):

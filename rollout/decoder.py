@@ -80,7 +80,8 @@ def linear_weights(module, dtype: torch.dtype):
         weight, bias = module.weight.to(dtype), module.bias
     else:
         raise ValueError(
-            f"rollout.aligned: runs full-precision linear layers (and LoRA on them), got {type(module).__name__}"
+            "rollout.aligned: runs full-precision linear layers (and LoRA on them), got "
+            f"{type(module).__name__}"
         )
     return weight, None if bias is None else bias.to(dtype)
 
@@ -94,7 +95,7 @@ def check_aligned_model(model, dtype: torch.dtype, device: torch.device) -> None
         raise ValueError(f"rollout.aligned: the MLP's activation must be silu, got {act!r}")
     head_dim = model.model.layers[0].self_attn.head_dim
     if torch.device(device).type == "cpu" and head_dim % 16:
-        raise ValueError(f"rollout.aligned: the CPU attention kernel needs head_dim % 16 == 0, got {head_dim}")
+        raise ValueError(f"rollout.aligned: the CPU attention kernel needs head_dim % 16 == 0: {head_dim}")
 
 
 # --------------------------------------------------------------------------- the model, run step by step

@@ -90,7 +90,7 @@ class EngineOptions:
         if self.sync_every is not None and not (isinstance(self.sync_every, int) and self.sync_every >= 1):
             raise ValueError(f"sync_every: must be an int >= 1 or None, got {self.sync_every!r}")
         if self.aligned and self.compile is True:
-            raise ValueError("aligned: the aligned decode step is not compiled; set compile to false or 'auto'")
+            raise ValueError("aligned: the aligned decode step is not compiled; set compile false or 'auto'")
         if self.aligned and self.kv_cache_dtype != "auto":
             raise ValueError("aligned: the trainer holds no fp8 K/V; set kv_cache_dtype to 'auto'")
 
