@@ -176,6 +176,9 @@ class RolloutConfig(Section):
     max_batch_rows: int = Field(256, ge=1)
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     compile: Literal["auto", True, False] = "auto"
+    # Matched precision, bit for bit: the rollout and the trainer's forward run batch-invariant kernels
+    # (bitrl.kernels.aligned), so a bf16 rollout's log-probs are the bf16 trainer's and the mismatch is 0.
+    aligned: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -192,7 +195,23 @@ class RolloutConfig(Section):
             raise ValueError(f"rollout.outlier_tau must be > 0, 'auto' or null, got {self.outlier_tau}")
         if self.rotation_block & (self.rotation_block - 1):
             raise ValueError(f"rollout.rotation_block must be a power of two, got {self.rotation_block}")
+        if self.aligned:
+            self._check_aligned()
         return self
+
+    def _check_aligned(self) -> None:
+        refusals = {
+            "matched precision has no quantized rollout; use full or bf16": self.precision
+            not in ("full", "fp32", "bf16", "fp16"),
+            "the trainer scores the whole distribution; set top_k=0, top_p=1": self.top_k or self.top_p < 1,
+            "the trainer holds no fp8 K/V; set rollout.kv_cache_dtype=auto": self.kv_cache_dtype != "auto",
+            "the aligned decode step is not compiled; set rollout.compile=auto": self.compile is True,
+            "not with rollout.reuse (its verifier is not aligned yet)": self.reuse.enabled,
+            "AQN adds noise to the rollout copy only; set rollout.aqn_stages=0": self.aqn_stages,
+        }
+        for reason, refused in refusals.items():
+            if refused:
+                raise ValueError(f"rollout.aligned: {reason}")
 
     def quant_recipe(self, fmt: str, fp8_layers: tuple[str, ...] = ()):
         """The bitrl.quant.QuantRecipe of a rollout copy in weight format `fmt`, every "auto" resolved."""
@@ -370,6 +389,19 @@ class Config(Section):
     warmstart: WarmStartConfig = WarmStartConfig()
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _aligned_runs(self):
+        if self.rollout.aligned:
+            if self.model.lora.base_precision != "full":
+                raise ValueError("rollout.aligned: a quantized LoRA base is not matched precision")
+            if self.model.lora.rank and self.model.lora.dropout:
+                raise ValueError(
+                    "rollout.aligned: merged LoRA weights take no dropout; set model.lora.dropout=0"
+                )
+            if self.train.gradient_checkpointing:
+                raise ValueError("rollout.aligned: not with train.gradient_checkpointing yet")
+        return self
 
     @model_validator(mode="after")
     def _no_warmstart_for_pretrained(self):

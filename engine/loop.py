@@ -138,6 +138,16 @@ def rollout_precision(cfg: Config) -> str:
     return {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.model.dtype, "full")
 
 
+def check_matched_dtypes(rollout_model, trainer) -> None:
+    """rollout.aligned: the rollout copy must compute in the trainer's forward dtype."""
+    rollout_dtype = next(rollout_model.parameters()).dtype
+    if rollout_dtype != trainer.compute_dtype:
+        raise ValueError(
+            f"rollout.aligned: the rollout copy computes in {rollout_dtype} and the trainer in "
+            f"{trainer.compute_dtype}; set rollout.precision (or train.autocast) so that they match"
+        )
+
+
 def sensitive_layers(policy, tokenizer, fmt: str, cfg: Config, log=print) -> tuple[str, ...]:
     """The rollout.fp8_layers linears most sensitive to `fmt`, ranked once per model on calibration text
     (bitrl.quant.sensitivity); the ranking is cached beside the warm starts."""
@@ -220,7 +230,15 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
         top_p=cfg.rollout.top_p,
     )
     engine = RolloutEngine(rollout_model, sampling, options)
-    trainer = PolicyTrainer(policy, cfg.train, temperature=cfg.rollout.temperature, spare_bytes=plan.spare)
+    trainer = PolicyTrainer(
+        policy,
+        cfg.train,
+        temperature=cfg.rollout.temperature,
+        spare_bytes=plan.spare,
+        aligned=cfg.rollout.aligned,
+    )
+    if cfg.rollout.aligned:
+        check_matched_dtypes(rollout_model, trainer)
     budget = trainer.memory_budget
     log(
         f"loss memory budget: {budget / 2**20:.0f} MiB"

@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from bitrl.kernels import fused_linear_policy_loss
+from bitrl.kernels import fused_linear_policy_loss, policy_loss
 from bitrl.kernels.policy_loss import LossConfig, ais_coefficients, ais_moments, get_correction
 from bitrl.rollout.batch import Rollout
 from bitrl.train.distributed import (
@@ -27,7 +27,12 @@ from bitrl.train.distributed import (
     shard_policy,
     sum_over_ranks,
 )
-from bitrl.train.logprobs import lm_head_operands, response_hidden_states, token_logprobs
+from bitrl.train.logprobs import (
+    aligned_token_logprobs_of,
+    lm_head_operands,
+    response_hidden_states,
+    token_logprobs,
+)
 from bitrl.train.mismatch import mismatch_diagnostics
 
 # Loss metrics worth a column in metrics.jsonl; rollout/trainer mismatch is logged once per batch below.
@@ -98,9 +103,14 @@ class PolicyTrainer:
     """
 
     def __init__(
-        self, policy: torch.nn.Module, cfg, temperature: float = 1.0, spare_bytes: float | None = None
+        self,
+        policy: torch.nn.Module,
+        cfg,
+        temperature: float = 1.0,
+        spare_bytes: float | None = None,
+        aligned: bool = False,
     ):
-        self.policy, self.cfg, self.temperature = policy, cfg, temperature
+        self.policy, self.cfg, self.temperature, self.aligned = policy, cfg, temperature, aligned
         self.memory_budget = cfg.resolved_loss_memory_budget(spare_bytes)  # bytes, or None
         self.loss = cfg.loss.loss_config()  # train.loss: LossConfig's fields by their names
         self.micro_batch_tokens = cfg.micro_batch_tokens
@@ -114,6 +124,8 @@ class PolicyTrainer:
         if cfg.master_weights == "fp32":
             for p in self.trainable:
                 p.data = p.data.float()
+        if aligned and is_distributed():
+            raise ValueError("rollout.aligned: runs on one rank (its forward does not gather FSDP2 shards)")
         if is_distributed():  # data-parallel: parameters, gradients, optimizer states sharded (FSDP2)
             shard_policy(policy, cfg.resolved_fsdp_mixed_precision(device_type))
             self.trainable = [p for p in policy.parameters() if p.requires_grad]
@@ -140,6 +152,11 @@ class PolicyTrainer:
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.autocast == "fp16")
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the forward's products: the autocast dtype, else the weights'."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.autocast, self.model_dtype)
+
+    @property
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.trainable)
 
@@ -150,6 +167,9 @@ class PolicyTrainer:
 
     def forward(self, rollout: Rollout, with_entropy: bool = True):
         """(logprobs, entropy) of the rollout's tokens under the policy, in the trainer's precision."""
+        if self.aligned:  # the rollout decoder's batch-invariant forward: the rollout's bits
+            with self.precision():
+                return aligned_token_logprobs_of(self.policy, rollout, self.temperature)
         with self.precision():
             fn = partial(
                 token_logprobs,
@@ -196,25 +216,39 @@ class PolicyTrainer:
             # formed in the forward pass (one matmul fewer than log-probs then loss).
             # Sharded (FSDP2): run as the root's forward; the root (embeddings, final norm, LM head) then
             # stays gathered through this micro-batch's loss and backward: one gather of the head.
-            with self.precision():
-                hidden = call_as_forward(self.policy, partial(response_hidden_states, self.policy, part))
-                # the LM head in the forward's precision, as the old-log-prob pass ran it
-                hidden, weight, bias = lm_head_operands(hidden, self.policy.get_output_embeddings())
-            loss, metrics = fused_linear_policy_loss(
-                hidden,
-                weight,
-                part.response_ids,
-                old[rows],
-                advantages[rows],
-                keep[rows],
-                loss_cfg,
-                bias=bias,
-                temperature=self.temperature,
-                compute_entropy=True,
-                memory_budget=self.memory_budget,
-                rollout_logprobs=part.logprobs,
-                is_weights=None if weights is None else weights[rows],
-            )
+            if self.aligned:  # the old-log-prob pass's forward, differentiable: ratio 1 on-policy
+                with self.precision():
+                    lp, entropy = aligned_token_logprobs_of(self.policy, part, self.temperature)
+                loss, metrics = policy_loss(
+                    lp,
+                    old[rows],
+                    advantages[rows],
+                    keep[rows],
+                    loss_cfg,
+                    entropy=entropy,
+                    rollout_logprobs=part.logprobs,
+                    is_weights=None if weights is None else weights[rows],
+                )
+            else:
+                with self.precision():
+                    hidden = call_as_forward(self.policy, partial(response_hidden_states, self.policy, part))
+                    # the LM head in the forward's precision, as the old-log-prob pass ran it
+                    hidden, weight, bias = lm_head_operands(hidden, self.policy.get_output_embeddings())
+                loss, metrics = fused_linear_policy_loss(
+                    hidden,
+                    weight,
+                    part.response_ids,
+                    old[rows],
+                    advantages[rows],
+                    keep[rows],
+                    loss_cfg,
+                    bias=bias,
+                    temperature=self.temperature,
+                    compute_entropy=True,
+                    memory_budget=self.memory_budget,
+                    rollout_logprobs=part.logprobs,
+                    is_weights=None if weights is None else weights[rows],
+                )
             # A non-finite loss is an error, found after the loop: the step it would poison never happens.
             finite = torch.isfinite(loss) & finite
             self.scaler.scale(loss).backward()  # fp16: an overflowing step is skipped and the scale lowered
