@@ -311,11 +311,12 @@ class _AlignedTokenLogprobs(torch.autograd.Function):
             u = _chunk_logits(h, weight, bias).float() * inv_t
             logp = torch.log_softmax(u, dim=-1)
             p = logp.exp()
-            # d lp / d u = onehot - p; d entropy / d u = -p (u - E_p u)
-            du = -p * grad_lp[part, None].float()
+            # d lp / d u = onehot - p (0 for a row without a target); d entropy / d u = -p (u - E_p u)
             t = targets[part]
             has = t >= 0
-            du[has.nonzero().squeeze(-1), t[has]] += grad_lp[part][has].float()
+            g_lp = grad_lp[part].float() * has
+            du = -p * g_lp[:, None]
+            du[has.nonzero().squeeze(-1), t[has]] += g_lp[has]
             mean_u = (p * torch.where(p > 0, u, 0.0)).sum(-1, keepdim=True)
             du -= grad_ent[part, None].float() * p * (torch.where(p > 0, u, 0.0) - mean_u)
             dz = (du * inv_t).to(hidden.dtype)

@@ -75,7 +75,8 @@ def linear_weights(module, dtype: torch.dtype):
         dropout = module.lora_dropout[ADAPTER]
         if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
             raise ValueError("rollout.aligned: merged LoRA weights take no dropout; set model.lora.dropout=0")
-        weight, bias = merged_weight(module, dtype), module.base_layer.bias
+        with torch.autocast(module.base_layer.weight.device.type, enabled=False):  # B A in fp32, as synced
+            weight, bias = merged_weight(module, dtype), module.base_layer.bias
     elif isinstance(module, torch.nn.Linear):
         weight, bias = module.weight.to(dtype), module.bias
     else:

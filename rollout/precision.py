@@ -54,6 +54,7 @@ def make_rollout_model(policy: torch.nn.Module, precision: str = "full", recipe=
         merge_lora(model, next(iter(layers.values())).base_layer.weight.dtype)
     if precision in FLOAT_PRECISIONS:
         model.to(FLOAT_PRECISIONS[precision])
+        keep_rotary_frequencies_(model, policy)
     elif precision in QUANT_FORMATS:
         from bitrl.quant.recipe import quantize_with_recipe_
 
@@ -81,6 +82,16 @@ def sync_rollout_model_(
         return sync_quantized_copy_(rollout_model, policy, rollout_model._bitrl_recipe)
     rollout_model.load_state_dict(policy.state_dict())
     return {}
+
+
+def keep_rotary_frequencies_(model: torch.nn.Module, policy: torch.nn.Module) -> None:
+    """Give the cast copy the policy's own rotary frequencies (inv_freq buffers): the rotary embedding
+    computes its angles in fp32 from them, and a bf16 copy of them would put every position's angle, and so
+    every query and key, a rounding away from the trainer's."""
+    for name, buffer in policy.named_buffers():
+        if name.rpartition(".")[2] in ("inv_freq", "original_inv_freq"):
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = buffer.detach().clone()
 
 
 def default_recipe(precision: str):
