@@ -2,11 +2,12 @@
 
 The specializations are not listed by hand: :func:`collect_launches` drives the library's own dispatch code
 (``policy_loss``, ``fused_logprobs``, ``fused_linear_policy_loss``, ``quantize``, ``dequantize``, the W4A16
-and FP4 ``dot_scaled`` matmuls, ``decode_attention``) over the options its registries offer (loss types, KL
-estimators, number formats, input dtypes, and sizes that select every block configuration), with
-``JITFunction.run`` replaced by a recorder. Each recorded launch carries the exact signature, constexprs and
-alignment attributes Triton's own binder derives, so compiling it with
-``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` builds the same cubin a GPU launch would.
+and FP4 ``dot_scaled`` matmuls, ``decode_attention``, the batch-invariant matmul, RMSNorm, SiLU-mul and row
+log-probs) over the options its registries offer (loss types, KL estimators, number formats, input dtypes,
+and sizes that select every block configuration), with ``JITFunction.run`` replaced by a recorder. Each
+recorded launch carries the exact signature, constexprs and alignment attributes Triton's own binder derives,
+so compiling it with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` builds the same
+cubin a GPU launch would.
 
 :func:`compile_all` compiles every launch for sm_90 and sm_100 (and sm_80 where a kernel declares it) in a
 process pool and reads registers, stack, local memory (where spills go) and shared memory from the cubin with
@@ -286,9 +287,36 @@ def _attention_cases():
         )
 
 
+def _batch_invariant_cases():
+    from bitrl.kernels import batch_invariant_triton as bi
+
+    # a decode step (M = 1: the row count is not specialized, so it is the binary of every M) over sizes
+    # that divide by 16, as a model's do (Qwen2-0.5B: H 896, F 4864, V 151936), the norm weight in the
+    # activations' dtype; then 7 rows of ragged sizes over strided rows (gate and up as the halves of one
+    # projection) with an fp32 norm weight, which adds that weight's specialization
+    shapes = ((1, 128, 256, 4096, None), (7, 100, 70, 3001, torch.float32))
+    for dtype, (rows, k, n, vocab, norm_dtype) in itertools.product(DTYPES, shapes):
+        x = torch.randn(rows, k).to(dtype)
+        w, norm = torch.randn(n, k).to(dtype), torch.ones(k).to(norm_dtype or dtype)
+        gate_up = torch.randn(rows, 2 * n).to(dtype)
+        logits, targets = torch.randn(rows, vocab).to(dtype), torch.randint(0, vocab, (rows,))
+        size = f"M={rows} K={k} N={n} V={vocab} {dtype}"
+        yield f"invariant_matmul {size}", lambda a=(x, w): bi.invariant_matmul(*a)
+        yield (
+            f"invariant_rms_norm {size} weight={norm.dtype}",
+            lambda a=(x, norm): bi.invariant_rms_norm(*a, 1e-6),
+        )
+        yield f"invariant_silu_mul {size}", lambda g=gate_up, n=n: bi.invariant_silu_mul(g[:, :n], g[:, n:])
+        yield (
+            f"invariant_row_logprobs {size}",
+            lambda a=(logits, targets): bi.invariant_row_logprobs(*a, 0.7),
+        )
+
+
 def dispatch_cases():
     """(name, callable) for every option combination of the Triton-dispatching public ops."""
     yield from _attention_cases()
+    yield from _batch_invariant_cases()
     yield from _hadamard_cases()
     yield from _sampling_cases()
     yield from _policy_cases()

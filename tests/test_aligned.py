@@ -15,11 +15,11 @@ from bitrl.kernels import aligned as al
 from bitrl.kernels.host_ext import load_host_library
 
 pytestmark = pytest.mark.skipif(
-    load_host_library() is None, reason="the aligned mode's CPU kernels need the host C++ library (no compiler)"
+    load_host_library() is None, reason="the aligned CPU kernels need the host C++ library (a compiler)"
 )
 DTYPES = [torch.float32, torch.bfloat16]
-SMALL = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-SMALL |= dict(num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2)
+SMALL = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+SMALL |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2)
 
 
 def rows_alone(fn, x: torch.Tensor, *rest_rows, counts=(1, 7, 64, 200)):
@@ -343,7 +343,8 @@ def test_aligned_trainer_reads_the_rollouts_logprobs_and_starts_at_ratio_one():
     from bitrl.train.trainer import PolicyTrainer
 
     model = make_qwen(0, **SMALL)
-    rollout = _aligned_engine(model).generate(_prompts(8, 200) * 2, generator=torch.Generator().manual_seed(0))
+    prompts = _prompts(8, 200) * 2
+    rollout = _aligned_engine(model).generate(prompts, generator=torch.Generator().manual_seed(0))
     cfg = TrainConfig(updates_per_batch=1, minibatches=1, micro_batch_tokens=64)
     trainer = PolicyTrainer(model, cfg, temperature=0.9, aligned=True)
     old = trainer.old_logprobs(rollout)

@@ -53,7 +53,7 @@ def _launched_kernels() -> set[str]:
     for folder in ("kernels", "quant"):
         for path in (ROOT / folder).rglob("*.py"):
             src = path.read_text()
-            for name in re.findall(r"@triton\.jit\s*\n\s*def (\w+)", src):
+            for name in re.findall(r"@triton\.jit(?:\([^)]*\))?\s*\n\s*def (\w+)", src):
                 if re.search(rf"\b{name}\[", src):
                     names.add(name)
     return names
@@ -138,6 +138,38 @@ def test_every_input_dtype_and_branch_is_compiled(table):
     kinds = {re.search(r"KIND=(\d)", s).group(1) for s in sigs("_quantize_kernel")}
     assert kinds == {"0", "1", "2"}, kinds  # fp32 (FP8), e8m0 (MX), e4m3 (NVFP4) scales
     assert len(FORMATS) == 5
+
+
+def test_batch_invariant_kernels_compile_at_their_fixed_tiles_for_every_dtype(table):
+    """Each batch-invariant kernel is compiled for fp32, bf16 and fp16 inputs at exactly the tile sizes and
+    warps its module fixes per dtype, with the row count unspecialized (the decode step's M = 1 launch gives
+    no M=1 constexpr), and the bf16/fp16 matmul on tensor cores (wgmma on sm_90, tcgen05 on sm_100)."""
+    import torch
+
+    from bitrl.kernels import batch_invariant_triton as bi
+
+    rows = [r for r in table["kernels"] if r["module"] == bi.__name__ and "error" not in r]
+
+    def matmul(d):
+        bm, bn, bk, warps, stages = bi.MATMUL_BLOCKS[d]
+        return f"BLOCK_M={bm},BLOCK_N={bn},BLOCK_K={bk},F32_DOT={d == torch.float32}]w{warps}s{stages}"
+
+    tiles = {
+        "_invariant_matmul_kernel": matmul,
+        "_invariant_rms_norm_kernel": lambda d: "BLOCK_H={}]w{}".format(*bi.RMS_BLOCK_H[d]),
+        "_invariant_silu_mul_kernel": lambda d: "BLOCK_F={}]w{}".format(*bi.SILU_BLOCK_F[d]),
+        "_invariant_row_logprobs_kernel": lambda d: "BLOCK_V={}]w{}".format(*bi.LOGPROBS_BLOCK_V[d]),
+    }
+    ptrs = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    for kernel, tile in tiles.items():
+        for sm in (90, 100):
+            labels = {r["label"] for r in rows if r["kernel"] == kernel and r["sm"] == sm}
+            for ptr, dtype in ptrs.items():
+                found = any(s.startswith(f"{kernel}[*{ptr},") and tile(dtype) in s for s in labels)
+                assert found, f"{kernel} sm_{sm} {ptr} {tile(dtype)}: {sorted(labels)}"
+            assert not any(re.search(r"[\[,]M=1[,\]]", s) for s in labels), labels
+    mma = {m for r in rows if "F32_DOT=False" in r["label"] for m in r["mma"]}
+    assert any(m.startswith("wgmma") for m in mma) and any(m.startswith("tcgen05") for m in mma), mma
 
 
 def test_fp4_dot_scaled_uses_block_scaled_tensor_cores_on_blackwell(table):
