@@ -24,6 +24,7 @@ USAGE_EXAMPLES = """examples:
   bitrl mismatch --demo --rollout-precision nvfp4 rollout.scale_mode=floor rollout.fp8_layers=4
   bitrl mismatch --model DIR --rollout-precision fp8 --prompts prompts.jsonl
   bitrl mismatch --model DIR --external vllm_logprobs.jsonl
+  bitrl mismatch --model DIR --rollout-precision bf16 --trainer-dtype bfloat16 --prompts p.txt rollout.aligned=true
 external file: one JSON object per line, {"prompt_ids": [int], "response_ids": [int], "logprobs": [float]},
 logprobs[i] being the engine's log-prob of response_ids[i] (after its temperature / top-k / top-p)."""
 
@@ -207,6 +208,22 @@ def main(argv: list[str]) -> int:
         return 2
 
 
+def check_aligned_pair(rollout_model, policy, args) -> None:
+    """rollout.aligned=true: a float rollout copy in the trainer's dtype, sampling the whole distribution."""
+    from bitrl.rollout.precision import QUANT_FORMATS
+
+    if args.rollout_precision in QUANT_FORMATS:
+        raise ValueError(f"rollout.aligned: matched precision has no {args.rollout_precision} rollout")
+    if args.top_k or args.top_p < 1:
+        raise ValueError("rollout.aligned: the trainer scores the whole distribution; --top-k 0 --top-p 1")
+    ours, theirs = next(rollout_model.parameters()).dtype, next(policy.parameters()).dtype
+    if ours != theirs:
+        raise ValueError(
+            f"rollout.aligned: the rollout copy is {ours} and the trainer {theirs}: pass --rollout-precision "
+            "and --trainer-dtype of one dtype"
+        )
+
+
 def recipe_label(recipe) -> str:
     """e.g. "mse scales, outliers > 8 medians in bf16, 4 layers fp8"."""
     parts = [f"{recipe.scale_mode} scales"]
@@ -228,8 +245,8 @@ def run(args) -> int:
     from bitrl.engine.warmstart import warm_start
     from bitrl.rollout.generation import RolloutEngine
     from bitrl.rollout.precision import PRECISIONS, QUANT_FORMATS, make_rollout_model
-    from bitrl.rollout.settings import Sampling
-    from bitrl.train.logprobs import token_logprobs
+    from bitrl.rollout.settings import EngineOptions, Sampling
+    from bitrl.train.logprobs import aligned_token_logprobs_of, token_logprobs
 
     if args.rollout_precision not in PRECISIONS:
         raise ValueError(f"--rollout-precision must be one of {PRECISIONS}, got {args.rollout_precision!r}")
@@ -268,6 +285,9 @@ def run(args) -> int:
                 fmt, sensitive_layers(policy, tokenizer, fmt, recipe_cfg, log)
             )
         rollout_model = make_rollout_model(policy, args.rollout_precision, recipe)
+        aligned = recipe_cfg.rollout.aligned
+        if aligned:
+            check_aligned_pair(rollout_model, policy, args)
         chat = TaskConfig(chat_template=args.chat_template, system_prompt=args.system_prompt)
         prompt_ids = encode_prompts(tokenizer, [Problem(str(i), p, "") for i, p in enumerate(prompts)], chat)
         sampling = Sampling(
@@ -278,14 +298,19 @@ def run(args) -> int:
             top_k=args.top_k,
             top_p=args.top_p,
         )
-        rollout = RolloutEngine(rollout_model, sampling).generate(
+        options = EngineOptions(aligned=aligned)
+        rollout = RolloutEngine(rollout_model, sampling, options).generate(
             [ids for ids in prompt_ids for _ in range(args.samples_per_prompt)],
             generator=torch.Generator().manual_seed(args.seed),
         )
         scales = f" ({recipe_label(recipe)})" if recipe is not None else ""
         label = f"rollout {args.rollout_precision}{scales} vs trainer {args.trainer_dtype}"
+        label += " (aligned)" if aligned else ""
     with torch.no_grad():
-        train_lp, _ = token_logprobs(policy, rollout, args.temperature, with_entropy=False)
+        if not args.external and recipe_cfg.rollout.aligned:
+            train_lp, _ = aligned_token_logprobs_of(policy, rollout, args.temperature)
+        else:
+            train_lp, _ = token_logprobs(policy, rollout, args.temperature, with_entropy=False)
     mask = rollout.response_mask
     write_report(
         summarize(train_lp, rollout.logprobs, mask, label), train_lp, rollout.logprobs, mask, Path(args.out)
