@@ -5,7 +5,7 @@ weights under bf16 autocast, as the real runs), the default path and the aligned
 process and alternated, best of --repeats:
 - the mismatch of the rollout's log-probs against the trainer's old-log-prob pass on the same tokens (k3,
   max |d log p|), 16 word-problem chat prompts x 4 samples, --new-tokens tokens, T 0.7, EOS off;
-- the rollout's time, the trainer's old-log-prob pass and its update (forward + backward + AdamW at lr 0,
+- the rollout's time, the trainer's old-log-prob pass and its update (forward + backward + AdamW at lr 1e-12,
   so the weights stay put between rounds).
 
     python benchmarks/bench_aligned.py --out benchmarks/results/bench_aligned.json
@@ -39,7 +39,7 @@ def measure(policy, tokenizer, cfg, prompts, dtype: str, aligned: bool, new_toke
     rollout = engine.generate(prompts, generator=torch.Generator().manual_seed(0))
     rollout_s = time.perf_counter() - start
     train_cfg = TrainConfig(
-        lr=0.0, updates_per_batch=1, minibatches=1, autocast="bf16" if dtype == "bf16" else "none"
+        lr=1e-12, updates_per_batch=1, minibatches=1, autocast="bf16" if dtype == "bf16" else "none"
     )
     trainer = PolicyTrainer(policy, train_cfg, temperature=0.7, aligned=aligned)
     start = time.perf_counter()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 from functools import cache as memoize
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -164,6 +165,10 @@ class KVCache:
                 buffers[layer] = t[:rows]
 
 
+def _call(layer, fn):
+    return fn()
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -181,9 +186,11 @@ class Decoder:
     hidden state has the same bits in a decode step, a prefill and the trainer's forward over the whole
     sequence. dtype: the compute dtype (default the weights'; a trainer under bf16 autocast passes bf16 and
     the weights are cast per forward, differentiably, as the rollout copy holds them cast once).
+    run_layer(layer, fn): runs fn, the computation of decoder layer `layer` (default: fn()); a sharded
+    trainer runs it as the layer's forward, between FSDP2's hooks that gather its weights.
     """
 
-    def __init__(self, model, aligned: bool = False, dtype: torch.dtype | None = None):
+    def __init__(self, model, aligned: bool = False, dtype: torch.dtype | None = None, run_layer=None):
         config = model.config
         model_type = getattr(config, "model_type", type(model).__name__)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -209,6 +216,7 @@ class Decoder:
         # compute dtype: the weights' own, or (a trainer under autocast) the dtype they are cast to
         self.dtype = dtype or self.inner.embed_tokens.weight.dtype
         self.aligned = aligned
+        self.run_layer = run_layer or _call
         self._rope = None
         if aligned:
             check_aligned_model(model, self.dtype, self.device)
@@ -247,35 +255,44 @@ class Decoder:
         mask = (
             visible[:, None, None].expand(rows, 1, group, steps, width).reshape(rows, 1, group * steps, width)
         )
+        attend = partial(self._attention, kernel_attention, cache, cols, visible, mask, width)
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = self._norm(layer.input_layernorm, x)
-            q = self._linear(attn.q_proj, h).view(rows, steps, -1, self.head_dim)
-            k = self._linear(attn.k_proj, h).view(rows, steps, -1, self.head_dim)
-            v = self._linear(attn.v_proj, h).view(rows, steps, -1, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3
-                q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            if cache is not None:
-                cache.write(i, k, v, cols)
-                keys, values = cache.k[i], cache.v[i]
-            else:
-                keys, values = k, v
-            q = q.reshape(rows, self.kv_heads, group * steps, self.head_dim)
-            if self.aligned:
-                o = aligned_attention(q, keys, values, visible, self.scaling)
-            elif kernel_attention:
-                o = decode_attention(q, keys, values, visible, self.scaling)
-            else:
-                if cache is not None:
-                    keys, values = cache.read(i, width, q.dtype)
-                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
-            o = o.view(rows, self.heads, steps, self.head_dim)
-            x = x + self._linear(attn.o_proj, o.transpose(1, 2).reshape(rows, steps, -1))
-            x = x + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x))
+            x = self.run_layer(layer, partial(self._layer, i, layer, x, cos, sin, attend))
         return self._norm(self.inner.norm, x)
+
+    def _layer(self, i, layer, x, cos, sin, attend):
+        rows, steps = x.shape[:2]
+        attn = layer.self_attn
+        h = self._norm(layer.input_layernorm, x)
+        q = self._linear(attn.q_proj, h).view(rows, steps, -1, self.head_dim)
+        k = self._linear(attn.k_proj, h).view(rows, steps, -1, self.head_dim)
+        v = self._linear(attn.v_proj, h).view(rows, steps, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        o = attend(i, q, k, v).view(rows, self.heads, steps, self.head_dim)
+        x = x + self._linear(attn.o_proj, o.transpose(1, 2).reshape(rows, steps, -1))
+        return x + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x))
+
+    def _attention(self, kernel_attention, cache, cols, visible, mask, width, i, q, k, v):
+        """Layer i's attention of q [R, heads, T, d] over the cache (k, v [R, kv_heads, T, d] written into
+        it first) or, without a cache, over k and v themselves."""
+        rows, _, steps, _ = q.shape
+        if cache is not None:
+            cache.write(i, k, v, cols)
+            keys, values = cache.k[i], cache.v[i]
+        else:
+            keys, values = k, v
+        q = q.reshape(rows, self.kv_heads, -1, self.head_dim)
+        if self.aligned:
+            return aligned_attention(q, keys, values, visible, self.scaling)
+        if kernel_attention:
+            return decode_attention(q, keys, values, visible, self.scaling)
+        if cache is not None:
+            keys, values = cache.read(i, width, q.dtype)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
 
     # The model's modules, or (aligned) their batch-invariant forms on the same weights.
 

@@ -342,6 +342,26 @@ def test_two_ranks_step_equals_one_rank(tmp_path):
             assert got["ais_lambda"] == pytest.approx(metrics["ais_lambda"], rel=1e-5)
 
 
+def test_two_ranks_aligned_read_their_rollouts_bits_and_step_like_one_rank(tmp_path):
+    """rollout.aligned with FSDP2 on 2 ranks: each rank's sharded trainer gives its rollout's log-probs bit
+    for bit (every layer's weights gathered around its aligned computation), and the step's loss, gradient
+    norm and entropy are the one-rank step's."""
+    from bitrl.train.trainer import PolicyTrainer
+
+    result = torchrun(__file__, "aligned", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"aligned-{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert rank["old_equals_rollout"] and rank["tokens"] > 4
+        assert rank["metrics"]["mismatch_k3_kl"] == 0.0 and rank["metrics"]["mismatch_max_abs_dp"] == 0.0
+    policy = aligned_policy()
+    rollout = aligned_rollout(policy, 0, 1)
+    metrics = PolicyTrainer(policy, TrainConfig(**TRAIN_CFG), aligned=True).step(rollout, ALIGNED_ADVANTAGES)
+    assert metrics["mismatch_k3_kl"] == 0.0
+    for key in ("loss", "grad_norm", "entropy"):
+        assert ranks[0]["metrics"][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_DATA caps anonymous mappings on Linux only")
 def test_a_model_over_one_ranks_memory_budget_trains_on_two(tmp_path):
     """With each rank's allocations capped at BUDGET_MIB by the kernel, the 25M-parameter model runs out of
@@ -410,5 +430,53 @@ def test_two_ranks_run_like_one_and_resume_after_sigkill(tmp_path):
     assert metrics_without_timings(killed_dir) == two_ranks
 
 
+def worker_aligned(out: Path) -> None:
+    """On every rank, rollout.aligned: an aligned rollout of this rank's groups by its unsharded copy, then
+    the sharded trainer's old-log-prob pass and one step on them; writes what matched and the gradients'
+    norm."""
+    from bitrl.rollout.precision import make_rollout_model
+    from bitrl.train.distributed import init_distributed, is_sharded
+    from bitrl.train.trainer import PolicyTrainer
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(torch.device("cpu"))
+    policy = aligned_policy()
+    rollout = aligned_rollout(make_rollout_model(policy, "full"), ctx.rank, ctx.world_size)
+    trainer = PolicyTrainer(policy, TrainConfig(**TRAIN_CFG), aligned=True)
+    assert is_sharded(policy)
+    old = trainer.old_logprobs(rollout)
+    m = rollout.response_mask
+    metrics = trainer.step(rollout, ALIGNED_ADVANTAGES.chunk(ctx.world_size)[ctx.rank])
+    result = {
+        "old_equals_rollout": bool(torch.equal(old[m], rollout.logprobs[m])),
+        "tokens": int(m.sum()),
+        "metrics": metrics,
+    }
+    (out / f"aligned-{ctx.rank}.json").write_text(json.dumps(result))
+
+
+ALIGNED_ADVANTAGES = torch.linspace(-1, 1, GROUPS * GROUP_SIZE)
+
+
+def aligned_policy():
+    """A tiny Qwen2 whose head_dim (16) the CPU attention kernel takes."""
+    from conftest import TINY_QWEN, make_qwen
+
+    return make_qwen(0, **(TINY_QWEN | {"num_attention_heads": 2, "num_key_value_heads": 1})).train()
+
+
+def aligned_rollout(model, rank: int, world: int):
+    from bitrl.rollout.generation import RolloutEngine
+    from bitrl.rollout.settings import EngineOptions, Sampling
+
+    prompts = [[1, 5 + g] + [7] * g for g in range(GROUPS) for _ in range(GROUP_SIZE)]
+    ids = torch.arange(len(prompts)).chunk(world)[rank]
+    sampling = Sampling(max_new_tokens=6, eos_id=2, pad_id=0)
+    engine = RolloutEngine(model, sampling, EngineOptions(aligned=True))
+    generator = torch.Generator().manual_seed(1)
+    return engine.generate([prompts[i] for i in ids], generator=generator, sample_ids=ids)
+
+
 if __name__ == "__main__":
-    {"trainer": worker_trainer, "budget": worker_budget}[sys.argv[1]](Path(sys.argv[2]))
+    workers = {"trainer": worker_trainer, "budget": worker_budget, "aligned": worker_aligned}
+    workers[sys.argv[1]](Path(sys.argv[2]))

@@ -226,6 +226,10 @@ def shard_policy(model: nn.Module, mixed_precision: str = "none") -> nn.Module:
     policy = mixed_precision_policy(mixed_precision, device)
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy)
+        # the aligned forward runs a layer's computation through this method (bitrl.rollout.decoder's
+        # run_layer): its weights gathered around it as around the layer's own forward
+        layer.bitrl_forward = (lambda self, fn: _own_storage(fn())).__get__(layer)
+        register_fsdp_forward_method(layer, "bitrl_forward")
     # The root stays gathered after its forward (until its backward): the LM head the loss reads right
     # after the base model is then the gathered one, fetched once per micro-batch.
     fully_shard(model, mp_policy=policy, reshard_after_forward=False)

@@ -73,20 +73,22 @@ def compute_dtype(model) -> torch.dtype:
     return model.get_input_embeddings().weight.dtype
 
 
-def aligned_response_hidden_states(model, rollout: Rollout) -> torch.Tensor:
-    """`response_hidden_states` by the rollout decoder's aligned forward, in compute_dtype(model)."""
+def aligned_response_hidden_states(model, rollout: Rollout, run_layer=None) -> torch.Tensor:
+    """`response_hidden_states` by the rollout decoder's aligned forward, in compute_dtype(model).
+    run_layer: the Decoder's (a sharded trainer gathers each layer's weights through it)."""
     ids, mask, pos = rollout.full_sequence()
     col = torch.arange(ids.shape[1], device=ids.device)
     visible = (col[None, :] <= col[:, None])[None] & mask[:, None, :]  # [B, T, T]: causal, real tokens
-    hidden = Decoder(model, aligned=True, dtype=compute_dtype(model)).hidden(ids, pos, None, None, visible)
+    decoder = Decoder(model, aligned=True, dtype=compute_dtype(model), run_layer=run_layer)
+    hidden = decoder.hidden(ids, pos, None, None, visible)
     prompt_len, response_len = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
     return hidden[:, prompt_len - 1 : prompt_len - 1 + response_len]
 
 
-def aligned_token_logprobs_of(model, rollout: Rollout, temperature: float = 1.0):
+def aligned_token_logprobs_of(model, rollout: Rollout, temperature: float = 1.0, run_layer=None):
     """(logprobs [B, R] fp32, entropy [B, R] fp32) of the response tokens by the aligned forward (the bits
     the aligned rollout engine recorded for them); positions outside the response mask hold 0 (log-prob)."""
-    hidden = aligned_response_hidden_states(model, rollout)
+    hidden = aligned_response_hidden_states(model, rollout, run_layer)
     batch, length, width = hidden.shape
     weight, bias = linear_weights(model.get_output_embeddings(), hidden.dtype)
     targets = rollout.response_ids.masked_fill(~rollout.response_mask, -100)

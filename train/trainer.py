@@ -124,8 +124,6 @@ class PolicyTrainer:
         if cfg.master_weights == "fp32":
             for p in self.trainable:
                 p.data = p.data.float()
-        if aligned and is_distributed():
-            raise ValueError("rollout.aligned: runs on one rank (its forward does not gather FSDP2 shards)")
         if is_distributed():  # data-parallel: parameters, gradients, optimizer states sharded (FSDP2)
             shard_policy(policy, cfg.resolved_fsdp_mixed_precision(device_type))
             self.trainable = [p for p in policy.parameters() if p.requires_grad]
@@ -169,7 +167,7 @@ class PolicyTrainer:
         """(logprobs, entropy) of the rollout's tokens under the policy, in the trainer's precision."""
         if self.aligned:  # the rollout decoder's batch-invariant forward: the rollout's bits
             with self.precision():
-                return aligned_token_logprobs_of(self.policy, rollout, self.temperature)
+                return self.aligned_logprobs(rollout)
         with self.precision():
             fn = partial(
                 token_logprobs,
@@ -180,6 +178,12 @@ class PolicyTrainer:
                 memory_budget=self.memory_budget,
             )
             return call_as_forward(self.policy, fn)
+
+    def aligned_logprobs(self, rollout: Rollout):
+        """The aligned forward's (logprobs, entropy) [B, R] fp32; sharded, run as the root's forward, each
+        decoder layer as its own."""
+        fn = partial(aligned_token_logprobs_of, self.policy, rollout, self.temperature, call_as_forward)
+        return call_as_forward(self.policy, fn)
 
     def micro_batches(self, rows: torch.Tensor, rollout: Rollout) -> list[torch.Tensor]:
         seq_len = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
@@ -218,7 +222,7 @@ class PolicyTrainer:
             # stays gathered through this micro-batch's loss and backward: one gather of the head.
             if self.aligned:  # the old-log-prob pass's forward, differentiable: ratio 1 on-policy
                 with self.precision():
-                    lp, entropy = aligned_token_logprobs_of(self.policy, part, self.temperature)
+                    lp, entropy = self.aligned_logprobs(part)
                 loss, metrics = policy_loss(
                     lp,
                     old[rows],
