@@ -24,7 +24,7 @@ USAGE_EXAMPLES = """examples:
   bitrl mismatch --demo --rollout-precision nvfp4 rollout.scale_mode=floor rollout.fp8_layers=4
   bitrl mismatch --model DIR --rollout-precision fp8 --prompts prompts.jsonl
   bitrl mismatch --model DIR --external vllm_logprobs.jsonl
-  bitrl mismatch --model DIR --rollout-precision bf16 --trainer-dtype bfloat16 --prompts p.txt rollout.aligned=true
+  bitrl mismatch --model DIR --rollout-precision bf16 --trainer-dtype bfloat16 --prompts F rollout.aligned=1
 external file: one JSON object per line, {"prompt_ids": [int], "response_ids": [int], "logprobs": [float]},
 logprobs[i] being the engine's log-prob of response_ids[i] (after its temperature / top-k / top-p)."""
 
