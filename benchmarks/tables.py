@@ -906,9 +906,70 @@ def table_study_4bit() -> str:
     return md(head, out, "llrrrrr") + source("study_4bit_smollm2.json")
 
 
+def table_aligned_price() -> str:
+    """rollout.aligned against the default path on SmolLM2: time (best of the repeats) and mismatch."""
+    runs = load("bench_aligned.json")["runs"]
+    best = {}
+    for r in runs:
+        key = (r["dtype"], r["aligned"])
+        b = best.setdefault(key, dict(r))
+        for k in ("rollout_s", "old_logprobs_s", "update_s"):
+            b[k] = min(b[k], r[k])
+    out = []
+    for dtype in dict.fromkeys(r["dtype"] for r in runs):
+        base = best[(dtype, False)]
+        for aligned in (False, True):
+            r = best[(dtype, aligned)]
+            trainer = (r["old_logprobs_s"] + r["update_s"]) / (base["old_logprobs_s"] + base["update_s"])
+            k3 = "**0**" if r["k3"] == 0 else f"{r['k3']:.2g}"
+            dp = "**0**" if r["max_abs_dlogp"] == 0 else f"{r['max_abs_dlogp']:.2g}"
+            out.append(
+                [
+                    dtype,
+                    "aligned" if aligned else "default",
+                    f"{r['rollout_s']:.2f} s ({r['rollout_s'] / base['rollout_s']:.2f}x)",
+                    f"{r['old_logprobs_s']:.2f} s",
+                    f"{r['update_s']:.1f} s",
+                    f"{trainer:.2f}x",
+                    k3,
+                    dp,
+                ]
+            )
+    head = ["dtype", "path", "rollout", "old-log-prob pass", "update", "trainer vs default", "k3 / token"]
+    head += ["max \\|d log p\\|"]
+    return md(head, out, "llrrrrrr") + source("bench_aligned.json")
+
+
+def table_aligned_study() -> str:
+    """RL on SmolLM2 in bf16 with rollout.aligned off and on, paired by seed (benchmarks/study_aligned.py)."""
+    runs = load("study_aligned.json")["runs"]
+    out = []
+    for r in runs:
+        steps = r["per_step"]
+        k3 = [s["mismatch_k3_kl"] for s in steps]
+        w_lo = min(s["is_weight_min"] for s in steps)
+        w_hi = max(s["is_weight_max"] for s in steps)
+        acc = " -> ".join(f"{100 * a:.0f}%" for _, a in r["accuracy"])
+        out.append(
+            [
+                r["seed"],
+                "on" if r["aligned"] else "off",
+                len(steps),
+                "0 every step" if max(k3) == 0 else f"{min(k3):.4f}-{max(k3):.4f}",
+                f"{w_lo:.2f}-{w_hi:.2f}",
+                f"{100 * sum(s['reward_mean'] for s in steps) / len(steps):.1f}%",
+                acc,
+            ]
+        )
+    head = ["seed", "rollout.aligned", "steps", "k3 / token", "TIS weights", "mean reward", "held-out accuracy"]
+    return md(head, out, "rlrlllr") + source("study_aligned.json")
+
+
 # ------------------------------------------------------------------------------------------- index
 
 DESCRIPTIONS = {
+    "bench_aligned.json": "rollout.aligned against the default path on SmolLM2: time and mismatch",
+    "study_aligned.json": "RL on SmolLM2 in bf16 with rollout.aligned off and on, paired seeds",
     "bench_distributed_curves.json": "1 rank against 2 ranks, demo model on one-digit sums",
     "bench_distributed_demo.json": "1 rank against 2 ranks, the demo as shipped",
     "bench_distributed_memory.json": "memory plan and peak per rank at 1, 2 and 4 ranks",
@@ -985,6 +1046,8 @@ TABLES: dict[str, tuple[str, Callable[[], str], tuple[str, ...]]] = {
     "study-mismatch": ("low_precision.md", table_study_mismatch, ("study_mismatch_200steps.json",)),
     "real-paired": ("low_precision.md", table_real_paired, ("bench_real.json",)),
     "real-runs": ("low_precision.md", table_real_runs, ("bench_real.json",)),
+    "aligned-price": ("low_precision.md", table_aligned_price, ("bench_aligned.json",)),
+    "aligned-study": ("low_precision.md", table_aligned_study, ("study_aligned.json",)),
     "index": ("benchmarks.md", table_index, ()),
 }
 
