@@ -152,6 +152,53 @@ def worker(arm: str, rows: int, prompt: int, response: int, steps: int) -> dict:
     }
 
 
+def arm_products(arm: str, rows: int, prompt: int, response: int) -> tuple[list, str, bool]:
+    """The matrix products an arm's step cannot avoid, its matmul dtype and whether the base weights train:
+    ([(count, (M, K), (K, N), batch)], dtype, trains_base). Per decoder layer the seven projections and the
+    causal half of attention's two batched products at rows x (prompt + response) tokens; the LM head at the
+    response tokens. LoRA's own products (rank 16) are left out: the floor is a lower bound."""
+    from bitrl.engine.models import architecture_config
+
+    c = architecture_config("smollm2-135m")
+    H, inter, L, V = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    hd, T = H // heads, prompt + response
+    N = rows * T
+    linears = [(H, H), (H, kv * hd), (H, kv * hd), (H, H), (H, inter), (H, inter), (inter, H)]
+    products = [(L, (N, k), (k, n), 1) for k, n in linears] + [(1, (rows * response, H), (H, V), 1)]
+    attention = [(L * 0.5, (T, hd), (hd, T), rows * heads), (L * 0.5, (T, T), (T, hd), rows * heads)]
+    dtype = "float32" if "fp32" in arm else "bfloat16"
+    return products + [(count, a, b, -batch) for count, a, b, batch in attention], dtype, "LoRA" not in arm
+
+
+def floor_seconds(products: list, dtype: str, trains_base: bool, backward: bool) -> float:
+    """Seconds of torch.mm / torch.bmm alone over `products` (arm_products) in `dtype`: the forward's, and
+    with `backward` also the input gradient of every product and the weight gradient of the trained ones
+    (batch < 0 marks attention, whose both operands are activations and take gradients)."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    total = 0.0
+    for count, (m, k), (_, n), batch in products:
+        lead = (abs(batch),) if batch < 0 else ()
+        mul = torch.bmm if batch < 0 else torch.mm
+        a, w, grad = (torch.randn(*lead, *s, generator=gen).to(dt) for s in ((m, k), (k, n), (m, n)))
+        pairs = [(a, w)]
+        if backward:
+            pairs.append((grad, w.transpose(-1, -2)))  # d input
+            if batch < 0 or trains_base:
+                pairs.append((a.transpose(-1, -2), grad))  # d weight (or attention's other operand)
+        for x, y in pairs:  # the faster of two calls: the first may pay for the kernel's setup
+            seconds = []
+            for _ in range(2):
+                start = time.perf_counter()
+                mul(x, y)
+                seconds.append(time.perf_counter() - start)
+            total += count * min(seconds)
+    return total
+
+
 def set_checkpointing(model, on: bool) -> None:
     if on:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -173,14 +220,36 @@ def interleaved(arms: list[str], rows: int, prompt: int, response: int, rounds: 
     records = []
     for round_ in range(rounds + 1):  # round 0 warms every arm up
         shift = round_ % len(arms)
+        floors = {}  # (dtype, trains_base) -> (old-log-prob floor s, update floor s), timed in this round
         for arm in arms[shift:] + arms[:shift]:
             trainer = trainers[arm.removesuffix(" + ckpt")]
             set_checkpointing(trainer.policy, arm.endswith(" + ckpt"))
             metrics = trainer.step(rollout, advantages)
+            products, dtype, trains_base = arm_products(arm, rows, prompt, response)
+            if (dtype, trains_base) not in floors:
+                floors[dtype, trains_base] = tuple(
+                    floor_seconds(products, dtype, trains_base, backward) for backward in (False, True)
+                )
+            old_floor, update_floor = floors[dtype, trains_base]
             if round_:
                 speed = tokens / metrics["update_time_s"]
-                records.append({"arm": arm, "round": round_, "update_tokens_per_s": speed})
-                print(f"interleaved round {round_} {arm}: {speed:.0f} tok/s", flush=True)
+                records.append(
+                    {
+                        "arm": arm,
+                        "round": round_,
+                        "update_tokens_per_s": speed,
+                        "update_s": metrics["update_time_s"],
+                        "old_logprobs_s": metrics["old_logprobs_time_s"],
+                        "update_floor_s": update_floor,
+                        "old_logprobs_floor_s": old_floor,
+                    }
+                )
+                print(
+                    f"interleaved round {round_} {arm}: {speed:.0f} tok/s, "
+                    f"{update_floor / metrics['update_time_s']:.2f} of the update floor, "
+                    f"{old_floor / metrics['old_logprobs_time_s']:.2f} of the old-log-prob floor",
+                    flush=True,
+                )
     return records
 
 
@@ -224,10 +293,33 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: getattr(args, k) for k in ("rows", "prompt", "response", "steps", "rounds", "threads")}
-    result = {"settings": meta, "summary": summary, "memory_runs": runs, "interleaved_steps": speeds}
+    from bitrl.kernels.bench_stats import machine
+
+    result = {
+        "command": " ".join(["python benchmarks/bench_trainer.py", *(argv or sys.argv[1:])]),
+        "machine": machine(),
+        "settings": meta,
+        "summary": summary,
+        "memory_runs": runs,
+        "interleaved_steps": speeds,
+    }
     out.write_text(json.dumps(result, indent=2))
     print(table(summary))
     return 0
+
+
+def fractions_of_floor(records: list[dict]) -> dict:
+    """Median over rounds of floor seconds / measured seconds, for the update and the old-log-prob pass."""
+    if not records or "update_floor_s" not in records[0]:
+        return {}
+    return {
+        "update_fraction_of_floor": statistics.median(r["update_floor_s"] / r["update_s"] for r in records),
+        "old_logprobs_fraction_of_floor": statistics.median(
+            r["old_logprobs_floor_s"] / r["old_logprobs_s"] for r in records
+        ),
+        "update_floor_s": statistics.median(r["update_floor_s"] for r in records),
+        "old_logprobs_floor_s": statistics.median(r["old_logprobs_floor_s"] for r in records),
+    }
 
 
 def summarize(runs: list[dict], speeds: list[dict], arms: list[str]) -> list[dict]:
@@ -246,6 +338,7 @@ def summarize(runs: list[dict], speeds: list[dict], arms: list[str]) -> list[dic
                 "update_tokens_per_s": statistics.median(rd[arm] for rd in by_round.values() if arm in rd),
                 "speed_vs_fp32": statistics.median(ratios) if ratios else None,
                 "speed_vs_fp32_range": [min(ratios), max(ratios)] if ratios else None,
+                **fractions_of_floor([r for r in speeds if r["arm"] == arm]),
                 "peak_rss_gib": mem["peak_rss_gib"],
                 "measured_trainer_gib": mem["measured_trainer_gib"],
                 "planned_trainer_gib": mem["planned_trainer_gib"],

@@ -319,6 +319,8 @@ def table_trainer() -> str:
             f"{s['planned_trainer_gib']:.2f}",
             f"{100 * s['plan_error']:+.0f}%",
             f"{s['trainable_params'] / 1e6:.1f}M",
+            f"{s['update_fraction_of_floor']:.2f}" if "update_fraction_of_floor" in s else "–",
+            f"{s['old_logprobs_fraction_of_floor']:.2f}" if "old_logprobs_fraction_of_floor" in s else "–",
         ]
         for s in d["summary"]
     ]
@@ -331,13 +333,15 @@ def table_trainer() -> str:
         "planned",
         "plan error",
         "trainable",
+        "update / floor",
+        "old-log-prob pass / floor",
     ]
     st = d["settings"]
     note = (
         f"\n\nSettings recorded: {st['rows']} rows × ({st['prompt']} + {st['response']}) tokens, "
         f"{st['steps']} step per arm per round, {st['rounds']} rounds, {st['threads']} thread."
     )
-    return md(head, rows, "lrrrrrrr") + note + source(name)
+    return md(head, rows, "lrrrrrrrrr", drop_empty=True) + note + source(name)
 
 
 # ---------------------------------------------------------------------------------------- scale-out
@@ -961,7 +965,8 @@ def table_aligned_study() -> str:
                 acc,
             ]
         )
-    head = ["seed", "rollout.aligned", "steps", "k3 / token", "TIS weights", "mean reward", "held-out accuracy"]
+    head = ["seed", "rollout.aligned", "steps", "k3 / token", "TIS weights", "mean reward"]
+    head += ["held-out accuracy"]
     return md(head, out, "rlrlllr") + source("study_aligned.json")
 
 

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     create_model,
     field_validator,
@@ -67,9 +68,16 @@ class ModelConfig(Section):
     num_kv_heads: int = Field(2, ge=1)
     tie_embeddings: bool = True
     # Storage dtype of the loaded weights. With bfloat16/float16 the trainable parameters are still kept in
-    # fp32 (train.master_weights) and only the frozen ones (a LoRA base) stay in this dtype.
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # fp32 (train.master_weights) and only the frozen ones (a LoRA base) stay in this dtype. "auto": the
+    # machine decides (auto_model_dtype), resolved when the run's config is validated.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     lora: LoraConfig = LoraConfig()
+    _dtype_reason: str = PrivateAttr("")  # why model.dtype is what it is, when "auto" chose it
+
+    @property
+    def dtype_line(self) -> str:
+        """model.dtype as the run's first lines state it."""
+        return f"model.dtype {self.dtype}" + (f" ({self._dtype_reason})" if self._dtype_reason else "")
 
     @model_validator(mode="after")
     def _heads_divide(self):
@@ -375,6 +383,24 @@ class TrainConfig(Section):
         return self
 
 
+def auto_model_dtype(device_type: str) -> tuple[str, str]:
+    """What model.dtype "auto" means on `device_type` ("cpu" or "cuda"): (dtype name, the reason, for the
+    run's first lines). bf16 where the device multiplies it natively (a GPU with bf16, a CPU with AMX-BF16 or
+    AVX-512 BF16), fp32 elsewhere: torch emulates bf16 matmuls on an AVX2-only CPU several times slower."""
+    import torch
+
+    if device_type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", "this GPU multiplies bf16 natively"
+        return "float32", "this GPU has no native bf16"
+    from bitrl.kernels.bench_stats import machine
+
+    units = machine()["native_bf16"]
+    if units:
+        return "bfloat16", f"this CPU has bf16 units ({', '.join(units)})"
+    return "float32", "this CPU has no bf16 units (AMX-BF16, AVX-512 BF16): bf16 would run emulated, slower"
+
+
 class Config(Section):
     name: str = "demo"
     seed: int = 0
@@ -389,6 +415,14 @@ class Config(Section):
     warmstart: WarmStartConfig = WarmStartConfig()
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _resolve_model_dtype(self):
+        # Once, here: the run, its saved config.json and a resume on another machine all see one dtype.
+        if self.model.dtype == "auto":
+            self.model.dtype, why = auto_model_dtype(self.torch_device.type)
+            self.model._dtype_reason = f"auto: {why}"
+        return self
 
     @model_validator(mode="after")
     def _aligned_runs(self):

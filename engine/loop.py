@@ -198,6 +198,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     torch.manual_seed(cfg.seed)
 
     device = ctx.device
+    log(f"device {device}, {cfg.model.dtype_line}")
     task, tokenizer = build_task(cfg), build_tokenizer(cfg, log=log)  # no weights yet
     plan = check_memory_plan(cfg, longest_prompt(cfg, task, tokenizer), force, log, ctx.world_size)
     policy = build_policy(cfg, tokenizer, log=log)

@@ -179,3 +179,32 @@ def test_loss_memory_budget_takes_bytes_sizes_or_auto():
     assert read("auto").resolved_loss_memory_budget(3e9) == 3_000_000_000
     assert read("auto").resolved_loss_memory_budget(None) is None
     assert read("1MiB").resolved_loss_memory_budget(3e9) == 2**20
+
+
+def test_model_dtype_auto_follows_the_cpu_bf16_units(monkeypatch):
+    from pathlib import Path
+
+    import bitrl.kernels.bench_stats as bench_stats
+
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+    cfg = load_config(None, ["device=cpu", "model.dtype=auto"])
+    native = bool(flags & {"amx_bf16", "avx512_bf16"})
+    assert cfg.model.dtype == ("bfloat16" if native else "float32")
+    assert "auto: this CPU has" in cfg.model.dtype_line
+    # resolved once: what the run saves (config.json) names the dtype, not "auto"
+    saved = cfg.model_dump()["model"]["dtype"]
+    assert saved == cfg.model.dtype and load_config(None, [f"model.dtype={saved}"]).model.dtype == saved
+
+    # both kinds of machine, whichever this is
+    real = bench_stats.machine()
+    monkeypatch.setattr(bench_stats, "machine", lambda: {**real, "native_bf16": []})
+    cfg = load_config(None, ["device=cpu", "model.dtype=auto"])
+    assert cfg.model.dtype == "float32" and "no bf16 units" in cfg.model.dtype_line
+    monkeypatch.setattr(bench_stats, "machine", lambda: {**real, "native_bf16": ["amx_bf16"]})
+    cfg = load_config(None, ["device=cpu", "model.dtype=auto"])
+    assert cfg.model.dtype == "bfloat16" and "(amx_bf16)" in cfg.model.dtype_line
+    # an explicit dtype is never overridden, and says nothing about the machine
+    assert load_config(None, ["model.dtype=float32"]).model.dtype_line == "model.dtype float32"
