@@ -169,6 +169,10 @@ class RolloutConfig(Section):
     fp8_layers: int = Field(0, ge=0)
     # Adaptive quantization noise: K stages over the run (sigma 0, then 1e-2 -> 1e-4); 0 disables it.
     aqn_stages: int = Field(0, ge=0)
+    # Where the noise goes: the rollout copy alone (an exploration perturbation the correction sees as
+    # mismatch), or, QeRL's form, the policy too (its frozen RMSNorm weights, LoRA runs only) so that the
+    # trainer scores the very model that sampled: the same noise in both, no mismatch from it.
+    aqn_target: Literal["rollout", "policy"] = "rollout"
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(6, ge=1)
@@ -215,7 +219,7 @@ class RolloutConfig(Section):
             "the trainer holds no fp8 K/V; set rollout.kv_cache_dtype=auto": self.kv_cache_dtype != "auto",
             "the aligned decode step is not compiled; set rollout.compile=auto": self.compile is True,
             "not with rollout.reuse (its verifier is not aligned yet)": self.reuse.enabled,
-            "AQN adds noise to the rollout copy only; set rollout.aqn_stages=0": self.aqn_stages,
+            "not with AQN; set rollout.aqn_stages=0": self.aqn_stages,
         }
         for reason, refused in refusals.items():
             if refused:
@@ -422,6 +426,15 @@ class Config(Section):
         if self.model.dtype == "auto":
             self.model.dtype, why = auto_model_dtype(self.torch_device.type)
             self.model._dtype_reason = f"auto: {why}"
+        return self
+
+    @model_validator(mode="after")
+    def _aqn_on_the_policy(self):
+        # In a full fine-tune the RMSNorm weights train: noise on them would be trained into the policy.
+        if self.rollout.aqn_target == "policy" and not self.model.lora.rank:
+            raise ValueError(
+                "rollout.aqn_target=policy: needs LoRA (frozen RMSNorm weights); set model.lora.rank"
+            )
         return self
 
     @model_validator(mode="after")

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import time
+from dataclasses import replace
 
 import torch
 from tqdm import tqdm
@@ -50,7 +51,7 @@ from bitrl.train.distributed import (
     sample_ids,
     sync_rollout_model_sharded_,
 )
-from bitrl.train.lora import apply_lora
+from bitrl.train.lora import BASE_FORMATS, apply_lora
 from bitrl.train.memory import device_memory, pin_mmap_threshold, plan_memory
 from bitrl.train.trainer import PolicyTrainer
 
@@ -128,7 +129,13 @@ def check_memory_plan(cfg: Config, prompt_tokens: int, force: bool = False, log=
 
 def prepare_policy(policy, cfg: Config):
     """The trained form of the policy: LoRA adapters (and a quantized frozen base) when model.lora asks."""
-    return apply_lora(policy, cfg.model.lora) if cfg.model.lora.rank else policy
+    if not cfg.model.lora.rank:
+        return policy
+    base_recipe = None
+    if cfg.model.lora.base_precision != "full":  # the rollout's scale and outlier settings, weights only
+        fmt = BASE_FORMATS[cfg.model.lora.base_precision]
+        base_recipe = replace(cfg.rollout.quant_recipe(fmt), act=None)
+    return apply_lora(policy, cfg.model.lora, base_recipe)
 
 
 def rollout_precision(cfg: Config) -> str:
@@ -298,6 +305,11 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     aqn = None
     if cfg.rollout.aqn_stages:  # adaptive quantization noise on the rollout copy's RMSNorm weights
         aqn = AQN(AQNSchedule(cfg.steps, num_stages=cfg.rollout.aqn_stages), seed=cfg.seed)
+    # QeRL's form: the same noise on the policy's frozen norms for the step, so the trainer scores the model
+    # that sampled; removed after the update (evaluation and checkpoints see the clean policy).
+    noisy_policy = aqn is not None and cfg.rollout.aqn_target == "policy"
+    if noisy_policy and ctx.enabled:
+        raise ValueError("rollout.aqn_target=policy: not with data-parallel runs yet (sharded norm weights)")
     steps = range(start_step, cfg.steps)
     progress = tqdm(steps, initial=start_step, total=cfg.steps, desc=cfg.name, disable=not ctx.is_main)
     G = cfg.rollout.group_size
@@ -305,6 +317,8 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     for step in progress:
         t0 = time.perf_counter()
         aqn_sigma = aqn.apply_(rollout_model, step) if aqn is not None else None
+        if noisy_policy:
+            aqn.apply_(policy, step)  # the same draw: seeded by (seed, step), layers in the same order
         # 1. rollout: G samples for each of the step's prompts
         if pool is None:
             problems = [task.sample(data_rng) for _ in range(cfg.rollout.prompts_per_step)]
@@ -333,6 +347,8 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
                 reuse.cache.discard(draft_keys[row])
         # 3. train, then 4. sync the rollout copy
         metrics = trainer.step(rollout, advantages)
+        if noisy_policy:
+            aqn.remove_(policy)
         sync_rollout_model()
         step_time = time.perf_counter() - t0
 

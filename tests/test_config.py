@@ -208,3 +208,10 @@ def test_model_dtype_auto_follows_the_cpu_bf16_units(monkeypatch):
     assert cfg.model.dtype == "bfloat16" and "(amx_bf16)" in cfg.model.dtype_line
     # an explicit dtype is never overridden, and says nothing about the machine
     assert load_config(None, ["model.dtype=float32"]).model.dtype_line == "model.dtype float32"
+
+
+def test_aqn_on_the_policy_needs_lora():
+    with pytest.raises(ConfigError, match="aqn_target=policy: needs LoRA"):
+        load_config(None, ["rollout.aqn_stages=3", "rollout.aqn_target=policy"])
+    cfg = load_config(None, ["rollout.aqn_stages=3", "rollout.aqn_target=policy", "model.lora.rank=4"])
+    assert cfg.rollout.aqn_target == "policy"

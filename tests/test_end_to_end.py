@@ -89,3 +89,26 @@ def test_short_run_on_cuda(tmp_path, monkeypatch):
     assert main(["train", "--resume", "runs/gpu", "steps=6"]) == 0
     records = [json.loads(line) for line in (tmp_path / "runs/gpu/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(7))
+
+
+def test_qerl_noise_on_the_policy_too_leaves_no_mismatch(tmp_path, monkeypatch):
+    """QeRL's form of AQN: a LoRA run on an NVFP4 base shared by trainer and rollout, with the step's noise
+    on the policy's frozen norms as well as the rollout copy's, scores the very model that sampled; noise on
+    the rollout copy alone is a mismatch the trainer sees."""
+    from conftest import TINY_DEMO_MODEL
+
+    from bitrl.engine.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    kl = {}
+    for target in ("policy", "rollout"):
+        args = ["train", f"name={target}", "task.n_eval=8", "steps=3", "eval_every=100"]
+        args += ["checkpoint_every=100"]
+        args += ["warmstart.steps=0", "rollout.prompts_per_step=8", "train.autocast=none"]
+        args += ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.base_precision=nvfp4"]
+        args += ["rollout.aqn_stages=3", f"rollout.aqn_target={target}"]
+        assert main([*args, *TINY_DEMO_MODEL]) == 0
+        lines = (tmp_path / f"runs/{target}/metrics.jsonl").read_text().splitlines()
+        kl[target] = [r["mismatch_k3_kl"] for r in map(json.loads, lines) if r.get("aqn_sigma")]
+    assert len(kl["policy"]) == 2  # steps 2 and 3 carry noise (sigma 1e-2, 1e-4)
+    assert max(kl["policy"]) < 1e-9 and kl["rollout"][0] > 1e3 * max(max(kl["policy"]), 1e-12), kl

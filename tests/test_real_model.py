@@ -308,6 +308,12 @@ def test_presets_are_valid_configs():
     work = load_config(preset_path("smollm2-add-work"))
     assert work.task.kind == "words" and work.task.show_work and work.task.reward == "math"
     assert work.rollout.max_new_tokens >= 64  # room for the worked steps
+    qerl = load_config(preset_path("smollm2-qerl"))  # LoRA on a shared NVFP4 base, AQN on both copies
+    assert (qerl.model.lora.rank, qerl.model.lora.base_precision) == (16, "nvfp4")
+    assert qerl.rollout.aqn_stages and qerl.rollout.aqn_target == "policy"
+    assert qerl.rollout.precision == "full"
+    mx = load_config(preset_path("smollm2-qerl"), ["model.lora.base_precision=mxfp4"])
+    assert mx.model.lora.base_precision == "mxfp4"
 
 
 def test_preset_runs_end_to_end_on_a_gguf_file(tiny_gguf, tmp_path, monkeypatch, capsys):

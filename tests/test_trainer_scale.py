@@ -270,6 +270,37 @@ def test_qerl_base_is_bit_identical_in_trainer_and_rollout(base_precision):
         make_rollout_model(model, "bf16")
 
 
+def test_qerl_base_is_quantized_as_the_recipe_says():
+    from torch import nn
+
+    from bitrl.engine.loop import prepare_policy
+    from bitrl.quant import QuantLinear, quantize
+
+    def base_of(model, name="model.layers.0.mlp.down_proj"):
+        return lora_layers(model)[name].base_layer
+
+    for fmt, overrides in [("nvfp4", []), ("mxfp4", []), ("nvfp4", ["rollout.scale_mode=floor"])]:
+        source = make_qwen(**TINY_QWEN).to(torch.bfloat16)
+        weight = source.model.layers[0].mlp.down_proj.weight.detach().clone()
+        lora = ["model.lora.rank=4", "model.lora.alpha=8", f"model.lora.base_precision={fmt}"]
+        cfg = load_config(overrides=[*lora, *overrides])
+        base = base_of(prepare_policy(source, cfg))
+        scale_mode = "floor" if overrides else "mse"  # the rollout's settings, "auto": mse for both formats
+        # mxfp4's default outlier fallback (tau 8) is kept beside the packed base; nvfp4 has none
+        assert (base.outlier_tau, base.act) == ((8.0 if fmt == "mxfp4" else None), None)
+        if fmt == "nvfp4":
+            assert torch.equal(base.qdata, quantize(weight, fmt, scale_mode=scale_mode).data)
+        else:  # the outliers leave the packed part: the same as a layer built with those settings
+            twin = QuantLinear.from_linear(nn.Linear(64, 32, bias=False), fmt, act=None, scale_mode="mse")
+            twin.outlier_tau = 8.0
+            twin.set_weight(weight)
+            assert torch.equal(base.qdata, twin.qdata) and torch.equal(base.outlier_value, twin.outlier_value)
+    with pytest.raises(ValueError, match="base recipe must be nvfp4"):
+        from bitrl.quant.recipe import recipe_for
+
+        apply_lora(make_qwen(**TINY_QWEN), lora_cfg("model.lora.base_precision=nvfp4"), recipe_for("mxfp4"))
+
+
 def test_lora_config_errors_are_clear():
     from bitrl.engine.config import ConfigError
 

@@ -19,11 +19,13 @@ from bitrl.rollout.lora_merge import lora_layers
 BASE_FORMATS = {"fp8": "fp8_e4m3", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
 
 
-def apply_lora(policy: nn.Module, cfg) -> nn.Module:
+def apply_lora(policy: nn.Module, cfg, base_recipe=None) -> nn.Module:
     """Inject LoRA adapters into `policy` in place and freeze everything else; returns `policy`.
 
     cfg: a bitrl.engine.config.LoraConfig with rank > 0. Adapters start as a no-op (B = 0). With
-    cfg.base_precision != "full" every adapted base layer is replaced by a weight-only QuantLinear.
+    cfg.base_precision != "full" every adapted base layer is replaced by a weight-only QuantLinear, its
+    scales and outlier fallback as `base_recipe` says (a bitrl.quant.QuantRecipe in that format; None: the
+    format's measured defaults, `recipe_for`).
     """
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -42,13 +44,23 @@ def apply_lora(policy: nn.Module, cfg) -> nn.Module:
     for name, p in policy.named_parameters():
         p.requires_grad_("lora_" in name)
     if cfg.base_precision != "full":
-        quantize_lora_base_(policy, BASE_FORMATS[cfg.base_precision])
+        from bitrl.quant.recipe import recipe_for
+
+        fmt = BASE_FORMATS[cfg.base_precision]
+        recipe = base_recipe or recipe_for(fmt, act=None)
+        if recipe.fmt != fmt or recipe.rotation is not None or recipe.fp8_layers:
+            raise ValueError(
+                f"model.lora.base_precision={cfg.base_precision}: the base recipe must be {fmt} weights "
+                "without rotation or fp8 layers"
+            )
+        quantize_lora_base_(policy, recipe)
     return policy
 
 
 @torch.no_grad()
-def quantize_lora_base_(policy: nn.Module, fmt: str) -> None:
-    """Store every adapted layer's frozen base weight quantized (weights only, activations untouched)."""
+def quantize_lora_base_(policy: nn.Module, recipe) -> None:
+    """Store every adapted layer's frozen base weight quantized as `recipe` (a bitrl.quant.QuantRecipe)
+    says: its format, scale selection and outlier fallback; weights only, activations untouched."""
     from bitrl.quant import QuantLinear
 
     for layer in lora_layers(policy).values():
@@ -57,4 +69,4 @@ def quantize_lora_base_(policy: nn.Module, fmt: str) -> None:
             continue
         if not isinstance(base, nn.Linear):
             raise ValueError(f"model.lora.base_precision: cannot quantize a {type(base).__name__} base layer")
-        layer.base_layer = QuantLinear.from_linear(base, fmt, act=None)
+        layer.base_layer = QuantLinear.from_linear(base, recipe.fmt, act=None, **recipe.quant_kwargs())
