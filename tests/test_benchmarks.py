@@ -115,3 +115,25 @@ def test_bench_gemm_floor_bf16_split(tmp_path):
     )
     assert all(v["rest_s"] > 0 for k, v in rows.items() if k in products)
     assert set(rows["grpo_loss/ratio_at"]) == {"fp32/1", "fp32/2", "fp32/4", "fp32/8", "fp32/16"}
+
+
+def test_trainer_floor_counts_the_steps_products():
+    """bench_trainer's floor: the products of one SmolLM2-135M step, counted against the model's shape."""
+    from bitrl.benchmarks import bench_trainer
+    from bitrl.engine.models import architecture_config
+
+    c = architecture_config("smollm2-135m")
+    rows, prompt, response = 2, 8, 4
+    T = prompt + response
+    products, dtype, trains = bench_trainer.arm_products("fp32", rows, prompt, response)
+    flops = sum(count * 2 * m * k * n * abs(batch) for count, (m, k), (_, n), batch in products)
+    kv = c.num_key_value_heads * c.hidden_size // c.num_attention_heads
+    H, I = c.hidden_size, c.intermediate_size
+    per_token = c.num_hidden_layers * (2 * H * H + 2 * H * kv + 3 * H * I)  # q, o; k, v; gate, up, down
+    expected = 2 * rows * T * per_token + 2 * rows * response * H * c.vocab_size
+    expected += c.num_hidden_layers * rows * c.num_attention_heads * 2 * T * T * H // c.num_attention_heads
+    assert flops == expected and (dtype, trains) == ("float32", True)
+    assert bench_trainer.arm_products("LoRA r16, bf16 base", rows, prompt, response)[1:] == ("bfloat16", False)
+    small = [(1, (4, 8), (8, 16), 1), (2, (3, 4), (4, 3), -2)]
+    for backward in (False, True):  # timed products, each a positive time
+        assert bench_trainer.floor_seconds(small, "float32", True, backward=backward) > 0

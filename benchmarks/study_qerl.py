@@ -1,0 +1,75 @@
+"""Study: QeRL on SmolLM2-135M-Instruct (the smollm2-qerl preset: LoRA rank 16 on a frozen 4-bit base shared
+by trainer and rollout, AQN on both) against full-precision LoRA at the same rank and settings, paired by
+seed: held-out greedy accuracy (before training and over the steps), reward, flat groups and the mismatch.
+
+    python benchmarks/study_qerl.py --seeds 0 --steps 10 --out benchmarks/results/study_qerl_smollm2.json
+    python benchmarks/study_qerl.py --arms lora-full qerl-nvfp4 --seeds 0 1     # a subset
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+# arm -> overrides of the smollm2-qerl preset
+ARMS = {
+    "lora-full": ["model.lora.base_precision=full", "rollout.aqn_stages=0"],
+    "qerl-nvfp4": [],
+    "qerl-mxfp4": ["model.lora.base_precision=mxfp4"],
+    "qerl-nvfp4-no-aqn": ["rollout.aqn_stages=0"],
+}
+KEYS = ("reward_mean", "flat_group_frac", "mismatch_k3_kl", "mismatch_max_abs_dp", "aqn_sigma", "step_time_s")
+
+
+def run_one(arm: str, seed: int, steps: int, out: Path) -> dict:
+    from bitrl.engine.config import load_config
+    from bitrl.engine.loop import run
+
+    preset = Path(__file__).resolve().parent.parent / "engine" / "presets" / "smollm2-qerl.yaml"
+    name = f"{arm}-s{seed}"
+    overrides = [f"name={name}", f"out_dir={out}", f"seed={seed}", f"steps={steps}", "eval_every=5"]
+    overrides += [f"checkpoint_every={steps}", *ARMS[arm]]
+    start = time.perf_counter()
+    run(load_config(preset, overrides), log=lambda *_: None, force=True)
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "arm": arm,
+        "seed": seed,
+        "overrides": ARMS[arm],
+        "wall_s": time.perf_counter() - start,
+        "per_step": [{k: r.get(k) for k in KEYS} for r in rows if "reward_mean" in r],
+        "accuracy": [(r["step"], r["accuracy"]) for r in rows if "accuracy" in r],
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--seeds", type=int, nargs="*", default=[0])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--runs", default="runs/study_qerl")
+    p.add_argument("--out", default="runs/study_qerl.json")
+    args = p.parse_args(argv)
+    from bitrl.kernels.bench_stats import machine
+
+    out = {
+        "study": "QeRL (LoRA on a shared 4-bit base, AQN on both) against full-precision LoRA, SmolLM2-135M",
+        "command": " ".join(["python benchmarks/study_qerl.py", *(argv or sys.argv[1:])]),
+        "machine": machine(),
+        "runs": [],
+    }
+    for seed in args.seeds:
+        for arm in args.arms:
+            out["runs"].append(run_one(arm, seed, args.steps, Path(args.runs)))
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(out, indent=1))
+            print(arm, seed, json.dumps(out["runs"][-1]["accuracy"]), flush=True)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
