@@ -128,12 +128,13 @@ def test_trainer_floor_counts_the_steps_products():
     products, dtype, trains = bench_trainer.arm_products("fp32", rows, prompt, response)
     flops = sum(count * 2 * m * k * n * abs(batch) for count, (m, k), (_, n), batch in products)
     kv = c.num_key_value_heads * c.hidden_size // c.num_attention_heads
-    H, I = c.hidden_size, c.intermediate_size
-    per_token = c.num_hidden_layers * (2 * H * H + 2 * H * kv + 3 * H * I)  # q, o; k, v; gate, up, down
+    H, inter = c.hidden_size, c.intermediate_size
+    per_token = c.num_hidden_layers * (2 * H * H + 2 * H * kv + 3 * H * inter)  # q, o; k, v; gate, up, down
     expected = 2 * rows * T * per_token + 2 * rows * response * H * c.vocab_size
     expected += c.num_hidden_layers * rows * c.num_attention_heads * 2 * T * T * H // c.num_attention_heads
     assert flops == expected and (dtype, trains) == ("float32", True)
-    assert bench_trainer.arm_products("LoRA r16, bf16 base", rows, prompt, response)[1:] == ("bfloat16", False)
+    lora = bench_trainer.arm_products("LoRA r16, bf16 base", rows, prompt, response)
+    assert lora[1:] == ("bfloat16", False)
     small = [(1, (4, 8), (8, 16), 1), (2, (3, 4), (4, 3), -2)]
     for backward in (False, True):  # timed products, each a positive time
         assert bench_trainer.floor_seconds(small, "float32", True, backward=backward) > 0
