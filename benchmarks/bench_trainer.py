@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -167,8 +168,10 @@ def arm_products(arm: str, rows: int, prompt: int, response: int) -> tuple[list,
     linears = [(H, H), (H, kv * hd), (H, kv * hd), (H, H), (H, inter), (H, inter), (inter, H)]
     products = [(L, (N, k), (k, n), 1) for k, n in linears] + [(1, (rows * response, H), (H, V), 1)]
     attention = [(L * 0.5, (T, hd), (hd, T), rows * heads), (L * 0.5, (T, T), (T, hd), rows * heads)]
-    dtype = "float32" if "fp32" in arm else "bfloat16"
-    return products + [(count, a, b, -batch) for count, a, b, batch in attention], dtype, "LoRA" not in arm
+    overrides = ARMS[arm.removesuffix(" + ckpt")]  # bf16 weights compute in bf16 (CPU autocast follows them)
+    dtype = "bfloat16" if "model.dtype=bfloat16" in overrides else "float32"
+    trains_base = not any(o.startswith("model.lora.rank=") for o in overrides)
+    return products + [(count, a, b, -batch) for count, a, b, batch in attention], dtype, trains_base
 
 
 def floor_seconds(products: list, dtype: str, trains_base: bool, backward: bool) -> float:
@@ -296,7 +299,7 @@ def main(argv=None) -> int:
     from bitrl.kernels.bench_stats import machine
 
     result = {
-        "command": " ".join(["python benchmarks/bench_trainer.py", *(argv or sys.argv[1:])]),
+        "command": shlex.join(["python", "benchmarks/bench_trainer.py", *(argv or sys.argv[1:])]),
         "machine": machine(),
         "settings": meta,
         "summary": summary,

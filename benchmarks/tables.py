@@ -970,10 +970,33 @@ def table_aligned_study() -> str:
     return md(head, out, "rlrlllr") + source("study_aligned.json")
 
 
+def table_dtype_study() -> str:
+    """RL on SmolLM2 in fp32 against bf16 (rollout.aligned off and on), paired by seed."""
+    runs = load("study_fp32_smollm2.json")["runs"] + load("study_aligned.json")["runs"]
+    out = []
+    for seed in sorted({r["seed"] for r in runs}):
+        for r in [r for r in runs if r["seed"] == seed]:
+            steps = r["per_step"]
+            dtype = r.get("dtype", "bfloat16")
+            late = steps[len(steps) // 2 :]
+            out.append(
+                [
+                    seed,
+                    ("fp32" if dtype == "float32" else "bf16") + (", aligned" if r["aligned"] else ""),
+                    " -> ".join(f"{100 * a:.0f}%" for _, a in r["accuracy"]),
+                    f"{100 * sum(x['reward_mean'] for x in late) / len(late):.0f}%",
+                    f"{max(x['mismatch_k3_kl'] for x in steps):.2g}",
+                ]
+            )
+    head = ["seed", "model.dtype", "held-out accuracy, steps 0 -> 5 -> 10", "reward, steps 6-10", "k3 max"]
+    return md(head, out, "rllrr") + source("study_fp32_smollm2.json", "study_aligned.json")
+
+
 # ------------------------------------------------------------------------------------------- index
 
 DESCRIPTIONS = {
     "bench_aligned.json": "rollout.aligned against the default path on SmolLM2: time and mismatch",
+    "study_fp32_smollm2.json": "RL on SmolLM2 in fp32, the baseline of the bf16 runs, paired seeds",
     "study_aligned.json": "RL on SmolLM2 in bf16 with rollout.aligned off and on, paired seeds",
     "bench_distributed_curves.json": "1 rank against 2 ranks, demo model on one-digit sums",
     "bench_distributed_demo.json": "1 rank against 2 ranks, the demo as shipped",
@@ -1053,6 +1076,7 @@ TABLES: dict[str, tuple[str, Callable[[], str], tuple[str, ...]]] = {
     "real-runs": ("low_precision.md", table_real_runs, ("bench_real.json",)),
     "aligned-price": ("low_precision.md", table_aligned_price, ("bench_aligned.json",)),
     "aligned-study": ("low_precision.md", table_aligned_study, ("study_aligned.json",)),
+    "dtype-study": ("trainer.md", table_dtype_study, ("study_fp32_smollm2.json", "study_aligned.json")),
     "index": ("benchmarks.md", table_index, ()),
 }
 

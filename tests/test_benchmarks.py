@@ -133,8 +133,10 @@ def test_trainer_floor_counts_the_steps_products():
     expected = 2 * rows * T * per_token + 2 * rows * response * H * c.vocab_size
     expected += c.num_hidden_layers * rows * c.num_attention_heads * 2 * T * T * H // c.num_attention_heads
     assert flops == expected and (dtype, trains) == ("float32", True)
-    lora = bench_trainer.arm_products("LoRA r16, bf16 base", rows, prompt, response)
-    assert lora[1:] == ("bfloat16", False)
+    for arm, kind in [("LoRA r16, bf16 base", ("bfloat16", False)), ("LoRA r16, fp32", ("float32", False))]:
+        assert bench_trainer.arm_products(arm, rows, prompt, response)[1:] == kind
+    for arm in ("bf16 autocast, fp32 master", "bf16 plain + ckpt"):  # bf16 products, every weight trains
+        assert bench_trainer.arm_products(arm, rows, prompt, response)[1:] == ("bfloat16", True)
     small = [(1, (4, 8), (8, 16), 1), (2, (3, 4), (4, 3), -2)]
     for backward in (False, True):  # timed products, each a positive time
         assert bench_trainer.floor_seconds(small, "float32", True, backward=backward) > 0
