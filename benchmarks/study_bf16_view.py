@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     if cfg.model.dtype != "float32" or cfg.model.lora.rank:
         raise SystemExit(f"{run}: needs a full fine-tuning run in float32, got {cfg.model.dtype}")
     policy, tokenizer, task = build(cfg, log=lambda *a: None)
-    start = {n: t.detach().clone() for n, t in policy.named_parameters()}
+    start = {n: t.detach().clone() for n, t in policy.state_dict().items()}
     state = load_checkpoint(run)
     load_policy_state(policy, state["policy"])
     kinds: dict = {}

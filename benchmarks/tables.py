@@ -996,6 +996,7 @@ def table_dtype_study() -> str:
 
 DESCRIPTIONS = {
     "bench_aligned.json": "rollout.aligned against the default path on SmolLM2: time and mismatch",
+    "study_bf16_view_smollm2.json": "an fp32 SmolLM2 run's trained weights seen in bf16: changes, accuracy",
     "study_fp32_smollm2.json": "RL on SmolLM2 in fp32, the baseline of the bf16 runs, paired seeds",
     "study_aligned.json": "RL on SmolLM2 in bf16 with rollout.aligned off and on, paired seeds",
     "bench_distributed_curves.json": "1 rank against 2 ranks, demo model on one-digit sums",
