@@ -992,11 +992,40 @@ def table_dtype_study() -> str:
     return md(head, out, "rllrr") + source("study_fp32_smollm2.json", "study_aligned.json")
 
 
+def table_qerl_study() -> str:
+    """QeRL on SmolLM2 against full-precision LoRA at the same rank, paired by seed (study_qerl.py)."""
+    runs = load("study_qerl_smollm2.json")["runs"]
+    full = {r["seed"]: r for r in runs if r["arm"] == "lora-full"}
+    out = []
+    for r in sorted(runs, key=lambda r: (r["seed"], r["arm"] != "lora-full", r["arm"])):
+        steps = r["per_step"]
+        late = steps[len(steps) // 2 :]
+        final = r["accuracy"][-1][1]
+        base = full.get(r["seed"])
+        gap = "–" if base is None or base is r else f"{100 * (final - base['accuracy'][-1][1]):+.0f}"
+        out.append(
+            [
+                r["seed"],
+                f"`{r['arm']}`",
+                " -> ".join(f"{100 * a:.0f}%" for _, a in r["accuracy"]),
+                gap,
+                f"{100 * sum(x['reward_mean'] for x in late) / len(late):.0f}%",
+                f"{100 * sum(x['flat_group_frac'] for x in steps) / len(steps):.0f}%",
+                f"{max(x['mismatch_k3_kl'] for x in steps):.1g}",
+                f"{statistics.median(x['step_time_s'] for x in steps):.0f} s",
+            ]
+        )
+    head = ["seed", "arm", "held-out accuracy, steps 0 -> 5 -> 10", "vs LoRA (points)", "reward, steps 6-10"]
+    head += ["flat groups", "k3 max", "step time"]
+    return md(head, out, "rllrrrrr") + source("study_qerl_smollm2.json")
+
+
 # ------------------------------------------------------------------------------------------- index
 
 DESCRIPTIONS = {
     "bench_aligned.json": "rollout.aligned against the default path on SmolLM2: time and mismatch",
     "study_bf16_view_smollm2.json": "an fp32 SmolLM2 run's trained weights seen in bf16: changes, accuracy",
+    "study_qerl_smollm2.json": "QeRL on SmolLM2 (LoRA on a shared 4-bit base, AQN on both) against LoRA",
     "study_fp32_smollm2.json": "RL on SmolLM2 in fp32, the baseline of the bf16 runs, paired seeds",
     "study_aligned.json": "RL on SmolLM2 in bf16 with rollout.aligned off and on, paired seeds",
     "bench_distributed_curves.json": "1 rank against 2 ranks, demo model on one-digit sums",
@@ -1077,6 +1106,7 @@ TABLES: dict[str, tuple[str, Callable[[], str], tuple[str, ...]]] = {
     "real-runs": ("low_precision.md", table_real_runs, ("bench_real.json",)),
     "aligned-price": ("low_precision.md", table_aligned_price, ("bench_aligned.json",)),
     "aligned-study": ("low_precision.md", table_aligned_study, ("study_aligned.json",)),
+    "qerl-study": ("low_precision.md", table_qerl_study, ("study_qerl_smollm2.json",)),
     "dtype-study": ("trainer.md", table_dtype_study, ("study_fp32_smollm2.json", "study_aligned.json")),
     "index": ("benchmarks.md", table_index, ()),
 }
