@@ -22,14 +22,13 @@ KEYS += ("is_weight_min", "is_weight_max")
 def run_one(seed: int, aligned: bool, steps: int, out: Path, dtype: str) -> dict:
     from bitrl.engine.config import load_config
     from bitrl.engine.loop import run
+    from bitrl.engine.train_cmd import preset_path
 
-    preset = Path(__file__).resolve().parent.parent / "engine" / "presets" / "smollm2-add.yaml"
     name = f"{dtype}-{'aligned' if aligned else 'default'}-s{seed}"
     overrides = [f"name={name}", f"out_dir={out}", f"seed={seed}", f"steps={steps}", "eval_every=5"]
     overrides += [f"checkpoint_every={steps}", f"model.dtype={dtype}", "train.loss.correction=tis"]
     overrides += [f"rollout.aligned={str(aligned).lower()}"]
-    run(load_config(preset, overrides), log=lambda *_: None, force=True)
-    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    rows = run(load_config(preset_path("smollm2-add"), overrides), log=lambda *_: None, force=True)
     steps_rows = [r for r in rows if "reward_mean" in r]
     evals = [(r["step"], r["accuracy"]) for r in rows if "accuracy" in r]
     return {

@@ -27,14 +27,13 @@ KEYS = ("reward_mean", "flat_group_frac", "mismatch_k3_kl", "mismatch_max_abs_dp
 def run_one(arm: str, seed: int, steps: int, out: Path) -> dict:
     from bitrl.engine.config import load_config
     from bitrl.engine.loop import run
+    from bitrl.engine.train_cmd import preset_path
 
-    preset = Path(__file__).resolve().parent.parent / "engine" / "presets" / "smollm2-qerl.yaml"
     name = f"{arm}-s{seed}"
     overrides = [f"name={name}", f"out_dir={out}", f"seed={seed}", f"steps={steps}", "eval_every=5"]
     overrides += [f"checkpoint_every={steps}", *ARMS[arm]]
     start = time.perf_counter()
-    run(load_config(preset, overrides), log=lambda *_: None, force=True)
-    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    rows = run(load_config(preset_path("smollm2-qerl"), overrides), log=lambda *_: None, force=True)
     return {
         "arm": arm,
         "seed": seed,

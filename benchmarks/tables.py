@@ -910,6 +910,17 @@ def table_study_4bit() -> str:
     return md(head, out, "llrrrrr") + source("study_4bit_smollm2.json")
 
 
+def _curve(accuracy: list) -> str:
+    """Held-out accuracy over a run's evaluations, as "11% -> 30% -> 54%"."""
+    return " -> ".join(f"{100 * a:.0f}%" for _, a in accuracy)
+
+
+def _late_reward(steps: list[dict]) -> str:
+    """Mean reward over the second half of a run's steps."""
+    late = steps[len(steps) // 2 :]
+    return f"{100 * sum(x['reward_mean'] for x in late) / len(late):.0f}%"
+
+
 def table_aligned_price() -> str:
     """rollout.aligned against the default path on SmolLM2: time (best of the repeats) and mismatch."""
     runs = load("bench_aligned.json")["runs"]
@@ -953,7 +964,7 @@ def table_aligned_study() -> str:
         k3 = [s["mismatch_k3_kl"] for s in steps]
         w_lo = min(s["is_weight_min"] for s in steps)
         w_hi = max(s["is_weight_max"] for s in steps)
-        acc = " -> ".join(f"{100 * a:.0f}%" for _, a in r["accuracy"])
+        acc = _curve(r["accuracy"])
         out.append(
             [
                 r["seed"],
@@ -978,13 +989,12 @@ def table_dtype_study() -> str:
         for r in [r for r in runs if r["seed"] == seed]:
             steps = r["per_step"]
             dtype = r.get("dtype", "bfloat16")
-            late = steps[len(steps) // 2 :]
             out.append(
                 [
                     seed,
                     ("fp32" if dtype == "float32" else "bf16") + (", aligned" if r["aligned"] else ""),
-                    " -> ".join(f"{100 * a:.0f}%" for _, a in r["accuracy"]),
-                    f"{100 * sum(x['reward_mean'] for x in late) / len(late):.0f}%",
+                    _curve(r["accuracy"]),
+                    _late_reward(steps),
                     f"{max(x['mismatch_k3_kl'] for x in steps):.2g}",
                 ]
             )
@@ -999,7 +1009,6 @@ def table_qerl_study() -> str:
     out = []
     for r in sorted(runs, key=lambda r: (r["seed"], r["arm"] != "lora-full", r["arm"])):
         steps = r["per_step"]
-        late = steps[len(steps) // 2 :]
         final = r["accuracy"][-1][1]
         base = full.get(r["seed"])
         gap = "–" if base is None or base is r else f"{100 * (final - base['accuracy'][-1][1]):+.0f}"
@@ -1007,9 +1016,9 @@ def table_qerl_study() -> str:
             [
                 r["seed"],
                 f"`{r['arm']}`",
-                " -> ".join(f"{100 * a:.0f}%" for _, a in r["accuracy"]),
+                _curve(r["accuracy"]),
                 gap,
-                f"{100 * sum(x['reward_mean'] for x in late) / len(late):.0f}%",
+                _late_reward(steps),
                 f"{100 * sum(x['flat_group_frac'] for x in steps) / len(steps):.0f}%",
                 f"{max(x['mismatch_k3_kl'] for x in steps):.1g}",
                 f"{statistics.median(x['step_time_s'] for x in steps):.0f} s",
