@@ -11,6 +11,7 @@
 // visible score makes its query's output NaN; a query that sees no column gets zeros.
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include <vector>
 
@@ -23,59 +24,77 @@ using bitrl_host::kLog2e;
 
 namespace {
 
+// 16 fp32 lanes as a GCC vector (each target clone lowers it to its own registers).
 constexpr int kLanes = 16;
+typedef float VecF __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t VecU32 __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t VecU16 __attribute__((vector_size(2 * kLanes)));
 
+// 16 consecutive values from element i of a bf16 (widened exactly) or fp32 buffer
 template <bool kBf16>
-inline float load(const void* base, int64_t i) {
-  if constexpr (kBf16) return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-  return static_cast<const float*>(base)[i];
-}
-
-// acc[c] += p * v[off + c], c < d
-template <bool kBf16>
-inline void axpy(float p, const void* v, int64_t off, float* __restrict acc, int64_t d) {
+inline VecF load16(const void* base, int64_t i) {
+  VecF x;
   if constexpr (kBf16) {
-    const uint16_t* __restrict x = static_cast<const uint16_t*>(v) + off;
-    for (int64_t c = 0; c < d; ++c) acc[c] += p * bf16_to_float(x[c]);
+    VecU16 h;
+    memcpy(&h, static_cast<const uint16_t*>(base) + i, sizeof h);
+    const VecU32 u = __builtin_convertvector(h, VecU32) << 16;
+    memcpy(&x, &u, sizeof x);
   } else {
-    const float* __restrict x = static_cast<const float*>(v) + off;
-    for (int64_t c = 0; c < d; ++c) acc[c] += p * x[c];
+    memcpy(&x, static_cast<const float*>(base) + i, sizeof x);
   }
+  return x;
 }
 
-// q . k over d: 16 lanes each summing every 16th product in ascending order, then the lanes added in a
-// fixed tree. d is a multiple of 16 (the caller checks).
-inline float dot16(const float* __restrict q, const float* __restrict k, int64_t d) {
-  float lane[kLanes] = {};
-  for (int64_t c = 0; c < d; c += kLanes) {
-    for (int j = 0; j < kLanes; ++j) lane[j] += q[c + j] * k[c + j];
-  }
-  for (int width = kLanes / 2; width >= 1; width /= 2) {
-    for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
-  }
+inline VecF vload(const float* p) {
+  VecF x;
+  memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline void vstore(float* p, VecF x) { memcpy(p, &x, sizeof x); }
+
+// q . k over d, k widened from its buffer at element k_off: 16 lanes each summing every 16th product in
+// ascending order, then the lanes added in a fixed tree (lane j += lane j + 8, then + 4, + 2, + 1). d is a
+// multiple of 16 (the caller checks).
+template <bool kBf16>
+inline float dot16(const float* __restrict q, const void* k, int64_t k_off, int64_t d) {
+  VecF lane = {};
+  for (int64_t c = 0; c < d; c += kLanes) lane += vload(q + c) * load16<kBf16>(k, k_off + c);
+  lane += __builtin_shufflevector(lane, lane, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  lane += __builtin_shufflevector(lane, lane, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  lane += __builtin_shufflevector(lane, lane, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  lane += __builtin_shufflevector(lane, lane, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return lane[0];
+}
+
+// acc[0, 16 N) = sum over w < width, ascending, of p[w] * v[v_off + w d + (0, 16 N)]: N vectors of
+// accumulators held in registers across the columns.
+template <bool kBf16, int N>
+inline void weighted_sum(const float* __restrict p, const void* v, int64_t v_off, int64_t width, int64_t d,
+                         float* __restrict acc) {
+  VecF a[N] = {};
+  for (int64_t w = 0; w < width; ++w) {
+    const float pw = p[w];
+    for (int j = 0; j < N; ++j) a[j] += pw * load16<kBf16>(v, v_off + w * d + j * kLanes);
+  }
+  for (int j = 0; j < N; ++j) vstore(acc + j * kLanes, a[j]);
 }
 
 // One (row, kv head): queries q [m, d], keys and values k, v [width, d] (element offsets into their
 // buffers), the visible mask row of query i at vis + (i % tokens) * vis_stride, output out [m, d].
+// Scratch: scores [m, width], qf [m, d], acc [d].
 template <bool kBf16>
 __attribute__((always_inline)) inline void attend_head(const void* q, int64_t q_off, const void* k,
                                                        const void* v, int64_t kv_off, const uint8_t* vis,
                                                        int64_t vis_stride, int64_t tokens, void* out, int64_t m,
                                                        int64_t width, int64_t d, float scale, float* scores,
-                                                       float* qf, float* kt, float* acc) {
-  for (int64_t i = 0; i < m * d; ++i) qf[i] = load<kBf16>(q, q_off + i);
-  for (int64_t w = 0; w < width; ++w) {
-    bool seen = false;
-    for (int64_t i = 0; i < m && !seen; ++i) seen = vis[(i % tokens) * vis_stride + w];
-    if (!seen) {
-      for (int64_t i = 0; i < m; ++i) scores[i * width + w] = -INFINITY;
-      continue;
-    }
-    for (int64_t c = 0; c < d; ++c) kt[c] = load<kBf16>(k, kv_off + w * d + c);
-    for (int64_t i = 0; i < m; ++i) {
-      const bool see = vis[(i % tokens) * vis_stride + w];
-      scores[i * width + w] = see ? dot16(qf + i * d, kt, d) * scale : -INFINITY;
+                                                       float* qf, float* acc) {
+  for (int64_t i = 0; i < m * d; i += kLanes) vstore(qf + i, load16<kBf16>(q, q_off + i));
+  for (int64_t i = 0; i < m; ++i) {
+    const uint8_t* see = vis + (i % tokens) * vis_stride;
+    float* s = scores + i * width;
+    for (int64_t w = 0; w < width; ++w) {
+      s[w] = see[w] ? dot16<kBf16>(qf + i * d, k, kv_off + w * d, d) * scale : -INFINITY;
     }
   }
   for (int64_t i = 0; i < m; ++i) {
@@ -92,7 +111,14 @@ __attribute__((always_inline)) inline void attend_head(const void* q, int64_t q_
       for (int64_t w = 0; w < width; ++w) s[w] = exp2_poly((s[w] - mx) * kLog2e);  // masked: 2^-inf = 0
       for (int64_t w = 0; w < width; ++w) total += s[w];
       // every column multiplies (masked ones by 0), as in the product of the probabilities with V
-      for (int64_t w = 0; w < width; ++w) axpy<kBf16>(s[w], v, kv_off + w * d, acc, d);
+      int64_t c = 0;
+      for (; c + 4 * kLanes <= d; c += 4 * kLanes) weighted_sum<kBf16, 4>(s, v, kv_off + c, width, d, acc + c);
+      switch ((d - c) / kLanes) {
+        case 3: weighted_sum<kBf16, 3>(s, v, kv_off + c, width, d, acc + c); break;
+        case 2: weighted_sum<kBf16, 2>(s, v, kv_off + c, width, d, acc + c); break;
+        case 1: weighted_sum<kBf16, 1>(s, v, kv_off + c, width, d, acc + c); break;
+        default: break;
+      }
     }
     const float inv = nan ? NAN : (total > 0.0f ? 1.0f / total : 0.0f);
     for (int64_t c = 0; c < d; ++c) {
@@ -110,9 +136,9 @@ __attribute__((always_inline)) inline void attend_head(const void* q, int64_t q_
 #define BITRL_ATTEND_HEAD_ARGS                                                                             \
   const void *q, int64_t q_off, const void *k, const void *v, int64_t kv_off, const uint8_t *vis,             \
       int64_t vis_stride, int64_t tokens, void *out, int64_t m, int64_t width, int64_t d, float scale,       \
-      float *scores, float *qf, float *kt, float *acc
+      float *scores, float *qf, float *acc
 #define BITRL_ATTEND_HEAD_CALL \
-  q, q_off, k, v, kv_off, vis, vis_stride, tokens, out, m, width, d, scale, scores, qf, kt, acc
+  q, q_off, k, v, kv_off, vis, vis_stride, tokens, out, m, width, d, scale, scores, qf, acc
 __attribute__((target_clones("avx512f", "avx2", "default"))) void attend_head_bf16(BITRL_ATTEND_HEAD_ARGS) {
   attend_head<true>(BITRL_ATTEND_HEAD_CALL);
 }
@@ -126,14 +152,13 @@ void attend(const void* q, const void* k, const void* v, const uint8_t* vis, voi
             int64_t vis_row_stride, int64_t vis_stride, float scale) {
 #pragma omp parallel
   {
-    std::vector<float> scores(m * width), qf(m * d), kt(d), acc(d);
+    std::vector<float> scores(m * width), qf(m * d), acc(d);
 #pragma omp for schedule(static)
     for (int64_t rh = 0; rh < rows * heads; ++rh) {
       const int64_t r = rh / heads;
       (kBf16 ? attend_head_bf16 : attend_head_f32)(q, rh * m * d, k, v, rh * columns * d,
                                                   vis + r * vis_row_stride, vis_stride, tokens, out, m,
-                                                  width, d, scale, scores.data(), qf.data(), kt.data(),
-                                                  acc.data());
+                                                  width, d, scale, scores.data(), qf.data(), acc.data());
     }
   }
 }

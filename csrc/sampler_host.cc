@@ -6,20 +6,24 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "host_math.h"
 #include "sampler_core.h"
 
 using bitrl::sample_uniform;
 using bitrl::uniform_from_bits;
+using bitrl_host::exp2_poly;
+using bitrl_host::kLog2e;
 
 extern "C" {
 
 // Philox4x32-10 of counters (w0 + j, c1, c2, 0), j < kBlock, under one key: the same rounds as
 // philox4x32_10, written over arrays so that the compiler vectorizes across counters (32x32->64 multiplies).
+// out[4 j + lane]: lane `lane` of counter w0 + j, i.e. the bits of token 4 (w0 + j) + lane.
 constexpr int kBlock = 16;
 
 __attribute__((target_clones("avx512f", "avx2", "default")))
 static void philox_block(uint32_t w0, uint32_t c1_in, uint32_t c2_in, uint32_t k0_in, uint32_t k1_in,
-                         uint32_t out[4][kBlock]) {
+                         uint32_t out[4 * kBlock]) {
   uint32_t c0[kBlock], c1[kBlock], c2[kBlock], c3[kBlock];
   for (int j = 0; j < kBlock; ++j) {
     c0[j] = w0 + (uint32_t)j;
@@ -29,6 +33,8 @@ static void philox_block(uint32_t w0, uint32_t c1_in, uint32_t c2_in, uint32_t k
   }
   uint32_t k0 = k0_in, k1 = k1_in;
   for (int r = 0; r < 10; ++r) {
+    // not unrolled: GCC unrolls a 16-trip loop fully and then leaves the 32x32->64 products scalar
+#pragma GCC unroll 1
     for (int j = 0; j < kBlock; ++j) {
       const uint64_t p0 = (uint64_t)0xD2511F53u * c0[j];
       const uint64_t p1 = (uint64_t)0xCD9E8D57u * c2[j];
@@ -42,18 +48,18 @@ static void philox_block(uint32_t w0, uint32_t c1_in, uint32_t c2_in, uint32_t k
     k0 += 0x9E3779B9u;
     k1 += 0xBB67AE85u;
   }
-  for (int j = 0; j < kBlock; ++j) {
-    out[0][j] = c0[j];
-    out[1][j] = c1[j];
-    out[2][j] = c2[j];
-    out[3][j] = c3[j];
+  for (int j = 0; j < kBlock; ++j) {  // token order: word w0 + j holds tokens 4 (w0 + j) + lane
+    out[4 * j] = c0[j];
+    out[4 * j + 1] = c1[j];
+    out[4 * j + 2] = c2[j];
+    out[4 * j + 3] = c3[j];
   }
 }
 
 // out[b, v] (rows x vocab, row-major fp32) = the uniform of token v for (seeds[b], positions[b]).
 void bitrl_sampling_uniforms(const int64_t* seeds, const int64_t* positions, int64_t rows, int64_t vocab,
                              float* out) {
-  uint32_t x[4][kBlock];
+  uint32_t x[4 * kBlock];
   for (int64_t b = 0; b < rows; ++b) {
     const uint64_t s = (uint64_t)seeds[b], p = (uint64_t)positions[b];
     float* row = out + b * vocab;
@@ -61,7 +67,7 @@ void bitrl_sampling_uniforms(const int64_t* seeds, const int64_t* positions, int
     for (int64_t w = 0; w < words; w += kBlock) {
       philox_block((uint32_t)w, (uint32_t)p, (uint32_t)(p >> 32), (uint32_t)s, (uint32_t)(s >> 32), x);
       const int64_t stop = vocab < 4 * (w + kBlock) ? vocab : 4 * (w + kBlock);
-      for (int64_t v = 4 * w; v < stop; ++v) row[v] = uniform_from_bits(x[v & 3][(v >> 2) - w]);
+      for (int64_t v = 4 * w; v < stop; ++v) row[v] = uniform_from_bits(x[v - 4 * w]);
     }
   }
 }
@@ -126,17 +132,62 @@ constexpr int kTile = 4 * kBlock;     // tokens per Philox block
 // above the two evaluations' errors (~1e-6 nats in the key plus half an fp32 ulp of the score each).
 static inline float margin_of(float best) { return 1e-3f + fabsf(best) * 1.52587890625e-05f; }
 
+// The smallest 24-bit uniform integer m (u = (m + 0.5) 2^-24, as uniform_from_bits) whose Gumbel key
+// -log(-log(u)) can reach t: key(u) >= t iff u >= exp(-exp(-t)); in double, one less than the exact bound
+// for its rounding. kKeySlack (nats) covers the approximate keys' error (1e-6) many times over.
+constexpr double kKeySlack = 1e-2;
+static inline uint32_t min_bits_reaching(double t) {
+  const double m = floor(exp(-exp(-t)) * 16777216.0 - 0.5) - 1.0;
+  return m <= 0.0 ? 0u : (uint32_t)m;
+}
+
+// 16 fp32 lanes as a GCC vector: each target clone lowers it to its own registers (one zmm, two ymm, four
+// xmm), where the scalar max loops, with their NaN-aware selects, stay scalar.
+constexpr int kLanes = 16;
+typedef float VecF __attribute__((vector_size(4 * kLanes)));
+typedef int32_t VecI __attribute__((vector_size(4 * kLanes)));
+static inline VecF vec_load(const float* p) {
+  VecF v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline void vec_store(float* p, VecF v) { memcpy(p, &v, sizeof v); }
+static inline VecF vec_splat(float x) { return VecF{} + x; }
+static inline VecF vec_maximum(VecF a, VecF b) { return a > b ? a : b; }
+static inline float vec_max(VecF v) {  // of non-NaN lanes, by halves
+  v = vec_maximum(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vec_maximum(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vec_maximum(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vec_maximum(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
 // Row `row` (vocab fp32) of bitrl_gumbel_candidates: writes the candidates to mine[:n] and returns n, or -1.
 // Its own target clones: the OpenMP body below is outlined into a function the clones of its caller do not
 // reach.
 __attribute__((target_clones("avx512f", "avx2", "default")))
 static int64_t gumbel_row(const float* row, int64_t vocab, uint64_t s, uint64_t p, int64_t cap,
-                          int64_t* mine) {
+                          int64_t* mine, float* lse) {
   const uint32_t k0 = (uint32_t)s, k1 = (uint32_t)(s >> 32), c1 = (uint32_t)p, c2 = (uint32_t)(p >> 32);
   // the row's largest z (its token's score is where the best starts); NaN or +inf: the plain way
-  float top = -INFINITY;
+  // NaN or +inf by the bits' maxima (GCC leaves a vector compare's mask scalar, but not a max): a NaN has
+  // |bits| > 0x7F800000, +inf is the signed bits' largest non-NaN value
+  VecF top_v = vec_splat(-INFINITY);
+  VecI signed_max = VecI{} + INT32_MIN, magnitude_max = VecI{};
+  int64_t v = 0;
+  for (; v + kLanes <= vocab; v += kLanes) {
+    const VecF x = vec_load(row + v);
+    top_v = vec_maximum(x, top_v);
+    VecI bits;
+    memcpy(&bits, &x, sizeof bits);
+    signed_max = signed_max > bits ? signed_max : bits;
+    const VecI magnitude = bits & 0x7FFFFFFF;
+    magnitude_max = magnitude_max > magnitude ? magnitude_max : magnitude;
+  }
+  float top = vec_max(top_v);
   int bad = 0;
-  for (int64_t v = 0; v < vocab; ++v) {
+  for (int i = 0; i < kLanes; ++i) bad |= (signed_max[i] >= 0x7F800000) | (magnitude_max[i] > 0x7F800000);
+  for (; v < vocab; ++v) {
     const float x = row[v];
     top = x > top ? x : top;
     bad |= (x != x) | (x == INFINITY);
@@ -144,23 +195,66 @@ static int64_t gumbel_row(const float* row, int64_t vocab, uint64_t s, uint64_t 
   if (bad || top == -INFINITY) {
     return -1;
   }
+  // log sum exp z = top + log sum 2^((z - top) log2 e): 16 lanes over the row in order, then the lanes
+  float lane[kLanes] = {};
+  for (v = 0; v + kLanes <= vocab; v += kLanes) {
+    for (int j = 0; j < kLanes; ++j) lane[j] += exp2_poly((row[v + j] - top) * kLog2e);
+  }
+  for (; v < vocab; ++v) lane[0] += exp2_poly((row[v] - top) * kLog2e);
+  float total = 0.0f;
+  for (int j = 0; j < kLanes; ++j) total += lane[j];
+  *lse = top + logf(total);
   int64_t top_at = 0;
+  while (top_at + kLanes <= vocab && vec_max(vec_load(row + top_at)) != top) top_at += kLanes;
   while (row[top_at] != top) ++top_at;
   float best = top + approx_key(sample_uniform(s, p, (uint32_t)top_at));
   int64_t n = 0;
-  uint32_t x[4][kBlock];
-  float key[4][kBlock];
+  uint32_t x[kTile];
+  float key[kTile];
+  float score[kTile];
   for (int64_t start = 0; start < vocab && n >= 0; start += kTile) {
     const int64_t len = vocab - start < kTile ? vocab - start : kTile;
-    float tile_max = -INFINITY;
-    for (int64_t j = 0; j < len; ++j) tile_max = row[start + j] > tile_max ? row[start + j] : tile_max;
+    float tile_max, score_max;
+    if (len == kTile) {
+      VecF m = vec_load(row + start);
+      for (int c = kLanes; c < kTile; c += kLanes) {
+        const VecF z = vec_load(row + start + c);
+        m = vec_maximum(z, m);
+      }
+      tile_max = vec_max(m);
+    } else {
+      tile_max = -INFINITY;
+      for (int64_t j = 0; j < len; ++j) tile_max = row[start + j] > tile_max ? row[start + j] : tile_max;
+    }
     if (tile_max + kGumbelMax + margin_of(best) < best) continue;  // no token here can come near
     philox_block((uint32_t)(start / 4), c1, c2, k0, k1, x);
-    approx_keys(&x[0][0], &key[0][0], kTile);  // key[lane][w]: token 4 w + lane
+    // Before any log: a token of this tile is a candidate only if its key reaches best - margin - tile_max,
+    // which needs its uniform's 24 bits at least `need` (most tiles of a real row have none)
+    const uint32_t need = min_bits_reaching((double)best - margin_of(best) - tile_max - kKeySlack);
+    uint32_t hit = 0;
+    for (int j = 0; j < kTile; ++j) hit |= (uint32_t)((x[j] >> 8) >= need);
+    if (!hit) continue;
+    approx_keys(x, key, kTile);  // key[j]: token start + j
+    // -inf z gives a -inf score, below any finite best
+    if (len == kTile) {
+      VecF m = vec_splat(-INFINITY);
+      for (int c = 0; c < kTile; c += kLanes) {
+        const VecF sc = vec_load(row + start + c) + vec_load(key + c);
+        vec_store(score + c, sc);
+        m = vec_maximum(sc, m);
+      }
+      score_max = vec_max(m);
+    } else {
+      score_max = -INFINITY;
+      for (int64_t j = 0; j < len; ++j) {
+        score[j] = row[start + j] + key[j];
+        score_max = score[j] > score_max ? score[j] : score_max;
+      }
+    }
+    if (score_max < best - margin_of(best)) continue;  // no candidate in this tile: skip the scalar walk
     for (int64_t j = 0; j < len; ++j) {
-      const float zj = row[start + j];
-      if (zj == -INFINITY) continue;
-      const float sj = zj + key[j & 3][j >> 2];
+      const float sj = score[j];
+      if (sj == -INFINITY) continue;
       if (sj > best) {  // a new best: keep the earlier candidates still within its margin
         best = sj;
         int64_t kept = 0;
@@ -183,14 +277,15 @@ static int64_t gumbel_row(const float* row, int64_t vocab, uint64_t s, uint64_t 
 }
 
 // For each row b of z (rows x vocab fp32, row-major; -inf outside the kept support): cand[b, :count[b]] the
-// tokens, ascending, whose score may be the row's maximum (at most cap), or count[b] = -1 where the row must
-// be drawn the plain way (a NaN or +inf in it, or more than cap candidates).
+// tokens, ascending, whose score may be the row's maximum (at most cap), and lse[b] its log-sum-exp; or count[b] = -1
+// where the row must be drawn the plain way (a NaN or +inf in it, or more than cap candidates; lse[b] is then
+// not written when the row is bad).
 void bitrl_gumbel_candidates(const float* z, const int64_t* seeds, const int64_t* positions, int64_t rows,
-                             int64_t vocab, int64_t cap, int64_t* cand, int64_t* count) {
+                             int64_t vocab, int64_t cap, int64_t* cand, int64_t* count, float* lse) {
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < rows; ++b) {
     count[b] = gumbel_row(z + b * vocab, vocab, (uint64_t)seeds[b], (uint64_t)positions[b], cap,
-                          cand + b * cap);
+                          cand + b * cap, lse + b);
   }
 }
 

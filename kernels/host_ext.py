@@ -90,7 +90,7 @@ def load_host_library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     _LIB.bitrl_sampling_uniforms.argtypes = [ptr, ptr, i64, i64, ptr]
     _LIB.bitrl_uniforms_at.argtypes = [ptr, ptr, ptr, i64, ptr]
-    _LIB.bitrl_gumbel_candidates.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr]
+    _LIB.bitrl_gumbel_candidates.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
     _LIB.bitrl_sampling_uniforms.restype = _LIB.bitrl_uniforms_at.restype = None
     _LIB.bitrl_gumbel_candidates.restype = None
     _LIB.bitrl_decode_attention.argtypes = [ptr] * 5 + [i64] * 9 + [ctypes.c_float, ctypes.c_int]

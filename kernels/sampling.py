@@ -258,10 +258,9 @@ SPARSE_FRACTION = 4
 
 
 def _fused_sample_torch(logits, seeds, positions, temperature, top_k, top_p):
-    """Steps 1-6 in torch ops, step 5 through `_gumbel_argmax`."""
+    """Steps 1-6 in torch ops, steps 5 and 6's normaliser through `_gumbel_argmax`."""
     z = filter_logits(logits, temperature, top_k, top_p)
-    lse = torch.logsumexp(z, dim=-1)
-    tokens = _gumbel_argmax(z, seeds.long(), positions.long())
+    tokens, lse = _gumbel_argmax(z, seeds.long(), positions.long())
     return tokens, z[torch.arange(z.shape[0], device=z.device), tokens] - lse
 
 
@@ -269,18 +268,21 @@ def _fused_sample_torch(logits, seeds, positions, temperature, top_k, top_p):
 HOST_CANDIDATES = 16
 
 
-def _gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """argmax_v z_v - log(-log(u_v)) per row of z [B, V] fp32 (lowest index on exact ties), the full
-    formula's bits. On the CPU the host library names each row's few possible winners (csrc/sampler_host.cc:
-    approximate keys, every token within a margin of the best) and torch scores only those; elsewhere, or for
-    a row the library leaves to it, `_gumbel_argmax_torch`."""
+def _gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor):
+    """(argmax_v z_v - log(-log(u_v)) [B] int64, logsumexp_v z_v [B] fp32) per row of z [B, V] fp32 (lowest
+    index on exact ties), the argmax the full formula's bits. On the CPU the host library names each row's few
+    possible winners (csrc/sampler_host.cc: approximate keys, every token within a margin of the best) and
+    torch scores only those; the library sums the row's log-sum-exp in the same pass (its own exp, within
+    1e-6 of torch's). Elsewhere, or for a row the library leaves to it, `_gumbel_argmax_torch` and
+    torch.logsumexp."""
     lib = _host_library(z, seeds, positions)
     if lib is None:
-        return _gumbel_argmax_torch(z, seeds, positions)
+        return _gumbel_argmax_torch(z, seeds, positions), torch.logsumexp(z, dim=-1)
     z = z.contiguous()
     rows = z.shape[0]
     candidates = torch.full((rows, HOST_CANDIDATES), -1, dtype=torch.long)
     count = torch.empty(rows, dtype=torch.long)
+    lse = torch.empty(rows, dtype=torch.float32)
     seeds, positions = seeds.contiguous(), positions.contiguous()
     lib.bitrl_gumbel_candidates(
         z.data_ptr(),
@@ -291,6 +293,7 @@ def _gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
         HOST_CANDIDATES,
         candidates.data_ptr(),
         count.data_ptr(),
+        lse.data_ptr(),
     )
     row, slot = (torch.arange(HOST_CANDIDATES) < count[:, None]).nonzero(as_tuple=True)
     token = candidates[row, slot]
@@ -301,7 +304,8 @@ def _gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
     plain = (count < 0).nonzero().squeeze(1)
     if plain.numel():
         tokens[plain] = _gumbel_argmax_torch(z[plain], seeds[plain], positions[plain])
-    return tokens
+        lse[plain] = torch.logsumexp(z[plain], dim=-1)
+    return tokens, lse
 
 
 def _gumbel_argmax_torch(z: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
