@@ -19,7 +19,9 @@ rollout engine reads weights directly rather than through the model's forward.
 
 from __future__ import annotations
 
+import atexit
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -60,7 +62,18 @@ def init_distributed(device: torch.device) -> DistContext:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        atexit.register(leave_process_group)
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def leave_process_group() -> None:
+    """Run at exit. A gloo worker thread drops its last collective's tensors after the collective returned, and
+    that takes the GIL: if the interpreter's teardown has begun by then, the thread is cancelled inside a C++
+    destructor and the process aborts ("terminate called without an active exception"), a clean run failing.
+    So the group is left, and the GIL released for a moment, before the teardown."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        time.sleep(0.05)
 
 
 def is_distributed() -> bool:
