@@ -110,8 +110,9 @@ def linear_products(model, rows: int, reps: int = 3) -> float:
 
 def floor_seconds(model, prompts, rows: int, tokens: int) -> float:
     """The floor of a rollout of `prompts` that generated `tokens` tokens decoding `rows` rows at once: the
-    products of the prefill (every prompt token once) plus those of ceil(tokens / rows) decode steps."""
-    prefill = linear_products(model, sum(len(p) for p in prompts), reps=1)
+    products of the prefill (every distinct prompt's tokens once: repeated prompts share their prefill) plus
+    those of ceil(tokens / rows) decode steps."""
+    prefill = linear_products(model, sum(len(p) for p in {tuple(p) for p in prompts}), reps=1)
     return prefill + -(-tokens // rows) * linear_products(model, rows)
 
 

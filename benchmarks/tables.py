@@ -1058,6 +1058,8 @@ DESCRIPTIONS = {
     "(superseded; no table)",
     "bench_rollout_cpu_fp32_64x128.json": "rollout throughput, fp32, before the floor column (superseded; no "
     "table)",
+    "bench_rollout_floor_64x128.json": "rollout throughput of the engine and model.generate against the "
+    "floor of their products, SmolLM2-135M, bf16 and fp32",
     "bench_trainer.json": "update throughput and memory at SmolLM2-135M's size",
     "kernel_resources.json": "every Triton specialization compiled for sm_90 / sm_100",
     "study_mismatch_200steps.json": "low-precision rollouts and corrections on the demo, 200 steps",

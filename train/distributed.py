@@ -67,10 +67,10 @@ def init_distributed(device: torch.device) -> DistContext:
 
 
 def leave_process_group() -> None:
-    """Run at exit. A gloo worker thread drops its last collective's tensors after the collective returned, and
-    that takes the GIL: if the interpreter's teardown has begun by then, the thread is cancelled inside a C++
-    destructor and the process aborts ("terminate called without an active exception"), a clean run failing.
-    So the group is left, and the GIL released for a moment, before the teardown."""
+    """Run at exit. A gloo worker thread drops its last collective's tensors after the collective returned,
+    and that takes the GIL: if the interpreter's teardown has begun by then, the thread is cancelled inside a
+    C++ destructor and the process aborts ("terminate called without an active exception"), a clean run
+    failing. So the group is left, and the GIL released for a moment, before the teardown."""
     if dist.is_initialized():
         dist.destroy_process_group()
         time.sleep(0.05)
