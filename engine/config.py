@@ -287,6 +287,24 @@ MOVED_TRAIN_FIELDS = {
 }
 
 
+SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+LORA_MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value
+MAX_MMAP_THRESHOLD = 32 * 2**20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
+
+
+def parse_size(value, words: str) -> int:
+    """A whole number of bytes >= 0 from bytes or a size with a unit ("512MiB", "2GiB", "4MB"); the error
+    names what else the field takes (`words`)."""
+    text = value.strip() if isinstance(value, str) else None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", text) if text is not None else None
+    if match and match.group(2).lower() in SIZE_UNITS:
+        value = float(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+    if not ok or value != int(value):
+        raise ValueError(f"expected {words}, bytes >= 0 or a size such as '512MiB', got {value!r}")
+    return int(value)
+
+
 class TrainConfig(Section):
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -319,6 +337,12 @@ class TrainConfig(Section):
     # runs it, a smaller one the two-pass tiles (4 products, the least memory). "auto": what the memory plan
     # has to spare (95% of the device minus the plan); bytes, or a size such as "512MiB" / "2GiB"; 0: tight.
     loss_memory_budget: int | Literal["auto"] = "auto"
+    # CPU runs: glibc's mmap threshold, the size above which a freed tensor goes back to the OS (time against
+    # memory: docs/trainer.md, memory plan). "auto": pinned at 128 KiB for a LoRA run, whose short-lived
+    # adapter tensors otherwise leave resident heap holes (peak near the plan; the step up to 2x slower at 64
+    # rows), glibc's own for the rest; "glibc": never pinned (fastest, the highest peak); or a size in
+    # between such as "4MiB" / "16MiB".
+    mmap_threshold: int | Literal["auto", "glibc"] = "auto"
 
     # Each "auto" is resolved here, once: the trainer and the memory plan both ask.
     def resolved_autocast(self, device_type: str, model_dtype) -> Literal["none", "bf16", "fp16"]:
@@ -344,30 +368,30 @@ class TrainConfig(Section):
             return self.fsdp_mixed_precision
         return "bf16" if device_type == "cuda" else "none"
 
+    def resolved_mmap_threshold(self, device_type: str, lora: bool) -> int | None:
+        """train.mmap_threshold in bytes, or None: leave glibc's own. "auto" pins 128 KiB for a LoRA run on a
+        CPU and leaves every other run alone; a size applies to any CPU run; nothing applies on a GPU."""
+        if device_type != "cpu" or self.mmap_threshold == "glibc":
+            return None
+        if self.mmap_threshold == "auto":
+            return LORA_MMAP_THRESHOLD if lora else None
+        return self.mmap_threshold
+
     @field_validator("loss_memory_budget", mode="before")
     @classmethod
     def _budget(cls, value):
         """ "auto", a whole number of bytes >= 0, or a size with a unit (KiB, MiB, GiB, KB, MB, GB)."""
-        if value == "auto":
+        return value if value == "auto" else parse_size(value, "'auto'")
+
+    @field_validator("mmap_threshold", mode="before")
+    @classmethod
+    def _mmap_threshold(cls, value):
+        if value in ("auto", "glibc"):
             return value
-        text = value.strip() if isinstance(value, str) else None
-        units = {
-            "": 1,
-            "b": 1,
-            "kib": 2**10,
-            "mib": 2**20,
-            "gib": 2**30,
-            "kb": 10**3,
-            "mb": 10**6,
-            "gb": 10**9,
-        }
-        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", text) if text is not None else None
-        if match and match.group(2).lower() in units:
-            value = float(match.group(1)) * units[match.group(2).lower()]
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
-        if not ok or value != int(value):
-            raise ValueError(f"expected 'auto', bytes >= 0 or a size such as '512MiB', got {value!r}")
-        return int(value)
+        size = parse_size(value, "'auto', 'glibc'")
+        if not 0 < size <= MAX_MMAP_THRESHOLD:
+            raise ValueError(f"a threshold in (0, 32MiB] (glibc's largest), got {value!r}")
+        return size
 
     @model_validator(mode="before")
     @classmethod

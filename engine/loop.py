@@ -193,7 +193,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     force: run even when the memory plan says the run needs over 95% of the device's memory."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    pin_mmap_threshold(cfg)  # before any tensor: keeps a CPU LoRA run's peak RSS at what the plan counts
+    mmap_threshold = pin_mmap_threshold(cfg)  # before any tensor (train.mmap_threshold)
     # Data-parallel under torchrun: each rank rolls out and trains on its share of the groups; rank 0 logs.
     ctx = init_distributed(cfg.torch_device)
     if not ctx.is_main:
@@ -206,6 +206,8 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
 
     device = ctx.device
     log(f"device {device}, {cfg.model.dtype_line}")
+    if mmap_threshold is not None:
+        log(f"glibc's mmap threshold pinned at {mmap_threshold // 1024} KiB (train.mmap_threshold)")
     task, tokenizer = build_task(cfg), build_tokenizer(cfg, log=log)  # no weights yet
     plan = check_memory_plan(cfg, longest_prompt(cfg, task, tokenizer), force, log, ctx.world_size)
     policy = build_policy(cfg, tokenizer, log=log)

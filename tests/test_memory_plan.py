@@ -166,12 +166,20 @@ def test_planned_activations_match_what_an_update_keeps(dtype, lora):
     assert 0.5 * planned < kept <= 1.1 * planned, (kept, planned)
 
 
-def test_mmap_threshold_is_pinned_for_cpu_lora_runs_only():
+def test_mmap_threshold_is_the_users_choice_and_auto_pins_cpu_lora_runs_only():
     import ctypes.util
 
     from bitrl.train.memory import pin_mmap_threshold
 
-    assert not pin_mmap_threshold(load_config(overrides=["device=cpu"]))
-    pinned = pin_mmap_threshold(load_config(overrides=["device=cpu", "model.lora.rank=8"]))
     glibc = ctypes.util.find_library("c") is not None and hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
-    assert pinned == glibc
+    assert pin_mmap_threshold(load_config(overrides=["device=cpu"])) is None
+    lora = ["device=cpu", "model.lora.rank=8"]
+    assert pin_mmap_threshold(load_config(overrides=lora)) == (128 * 1024 if glibc else None)
+    assert pin_mmap_threshold(load_config(overrides=[*lora, "train.mmap_threshold=glibc"])) is None
+    sized = load_config(overrides=["device=cpu", "train.mmap_threshold=4MiB"])
+    assert pin_mmap_threshold(sized) == (4 * 2**20 if glibc else None)
+    for bad in ("64MiB", "0", "fast"):
+        with pytest.raises(ValueError, match="mmap_threshold"):
+            load_config(overrides=[f"train.mmap_threshold={bad}"])
+    # back to the auto pin for the tests after this one (no mallopt call restores glibc's dynamic threshold)
+    pin_mmap_threshold(load_config(overrides=["device=cpu", "train.mmap_threshold=128KiB"]))

@@ -285,29 +285,29 @@ def plan_memory(
 
 # glibc's mallopt parameter for the size above which an allocation gets its own mapping (malloc.h).
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's own starting value
 
 
-def pin_mmap_threshold(cfg) -> bool:
-    """For a LoRA run on a CPU (cfg: engine Config), pin glibc's mmap threshold so that freed tensors go back
-    to the OS; True when it was pinned, False for other runs or off glibc.
+def pin_mmap_threshold(cfg) -> int | None:
+    """Pin glibc's mmap threshold where train.mmap_threshold asks (cfg: engine Config); the bytes pinned, or
+    None where nothing was (a GPU run, glibc's own chosen, or not glibc).
 
     glibc raises the threshold each time a mapped block is freed (up to 32 MiB), after which activation-sized
     tensors come from the heap. peft's LoRA forward makes two short-lived [tokens, out] tensors per adapted
     layer (B·A·x and its scaled copy) between the ones autograd keeps, and the heap holes they leave stay
     resident, by an amount that varies from run to run: on SmolLM2-135M in fp32 the trainer's peak RSS (model
     included) was 6.5 GiB at 32 rows x 80 tokens (plan 3.95, pinned 3.85) and 2.3 or 3.6 GiB in two identical
-    runs at 16 rows (pinned 2.1). Pinned, every large tensor is mapped afresh, which costs page faults: the
-    step measured about 10% slower. A full fine-tune keeps few short-lived tensors and stays near its plan
-    unpinned, so it is left alone."""
-    if cfg.torch_device.type != "cpu" or not cfg.model.lora.rank:
-        return False
+    runs at 16 rows (pinned 2.1). Pinned, every large tensor is mapped afresh, which costs page faults: 10% of
+    the step at 16 rows, 2x at 64 rows (docs/trainer.md), hence the choice. A full fine-tune keeps few
+    short-lived tensors and stays near its plan unpinned, so "auto" leaves it alone."""
+    threshold = cfg.train.resolved_mmap_threshold(cfg.torch_device.type, bool(cfg.model.lora.rank))
+    if threshold is None:
+        return None
     name = ctypes.util.find_library("c")
     try:
         mallopt = ctypes.CDLL(name).mallopt if name else None
     except (OSError, AttributeError):  # not glibc (musl, macOS): no such knob
         mallopt = None
-    return bool(mallopt and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    return threshold if mallopt and mallopt(M_MMAP_THRESHOLD, threshold) else None
 
 
 def device_memory(device: torch.device) -> float:
