@@ -24,20 +24,29 @@ using bitrl_host::kLog2e;
 
 namespace {
 
-// 16 fp32 lanes as a GCC vector (each target clone lowers it to its own registers).
+// 16 fp32 lanes, held as one GCC vector (Wide: a zmm register under AVX-512) or as two of 8 (Halves: two ymm
+// under AVX2, where GCC keeps a 16-lane vector in memory and moves it through general registers, about 10x
+// slower). Both run the same operations on every lane, so their results have the same bits.
 constexpr int kLanes = 16;
 typedef float VecF __attribute__((vector_size(4 * kLanes)));
 typedef uint32_t VecU32 __attribute__((vector_size(4 * kLanes)));
 typedef uint16_t VecU16 __attribute__((vector_size(2 * kLanes)));
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef uint32_t Vec8U32 __attribute__((vector_size(32)));
+typedef uint16_t Vec8U16 __attribute__((vector_size(16)));
+
+struct Halves {
+  Vec8 lo, hi;
+};
 
 // 16 consecutive values from element i of a bf16 (widened exactly) or fp32 buffer
-template <bool kBf16>
-inline VecF load16(const void* base, int64_t i) {
-  VecF x;
+template <bool kBf16, class W, class WU32, class WU16>
+__attribute__((always_inline)) inline W load_as(const void* base, int64_t i) {
+  W x;
   if constexpr (kBf16) {
-    VecU16 h;
+    WU16 h;
     memcpy(&h, static_cast<const uint16_t*>(base) + i, sizeof h);
-    const VecU32 u = __builtin_convertvector(h, VecU32) << 16;
+    const WU32 u = __builtin_convertvector(h, WU32) << 16;
     memcpy(&x, &u, sizeof x);
   } else {
     memcpy(&x, static_cast<const float*>(base) + i, sizeof x);
@@ -45,56 +54,93 @@ inline VecF load16(const void* base, int64_t i) {
   return x;
 }
 
-inline VecF vload(const float* p) {
-  VecF x;
-  memcpy(&x, p, sizeof x);
-  return x;
+template <bool kBf16, class V>
+__attribute__((always_inline)) inline V load16(const void* base, int64_t i) {
+  if constexpr (sizeof(V) == sizeof(VecF) && !__is_class(V)) {
+    return load_as<kBf16, VecF, VecU32, VecU16>(base, i);
+  } else {
+    return {load_as<kBf16, Vec8, Vec8U32, Vec8U16>(base, i),
+            load_as<kBf16, Vec8, Vec8U32, Vec8U16>(base, i + 8)};
+  }
 }
 
-inline void vstore(float* p, VecF x) { memcpy(p, &x, sizeof x); }
+__attribute__((always_inline)) inline void store16(float* p, const VecF& x) { memcpy(p, &x, sizeof x); }
+__attribute__((always_inline)) inline void store16(float* p, const Halves& x) {
+  memcpy(p, &x.lo, sizeof x.lo);
+  memcpy(p + 8, &x.hi, sizeof x.hi);
+}
 
-// q . k over d, k widened from its buffer at element k_off: 16 lanes each summing every 16th product in
-// ascending order, then the lanes added in a fixed tree (lane j += lane j + 8, then + 4, + 2, + 1). d is a
-// multiple of 16 (the caller checks).
-template <bool kBf16>
-inline float dot16(const float* __restrict q, const void* k, int64_t k_off, int64_t d) {
-  VecF lane = {};
-  for (int64_t c = 0; c < d; c += kLanes) lane += vload(q + c) * load16<kBf16>(k, k_off + c);
+// acc += a * b, lane by lane (two roundings: no contraction)
+__attribute__((always_inline)) inline void multiply_add(VecF& acc, const VecF& a, const VecF& b) {
+  acc += a * b;
+}
+__attribute__((always_inline)) inline void multiply_add(Halves& acc, const Halves& a, const Halves& b) {
+  acc.lo += a.lo * b.lo;
+  acc.hi += a.hi * b.hi;
+}
+__attribute__((always_inline)) inline void multiply_add(VecF& acc, float a, const VecF& b) { acc += a * b; }
+__attribute__((always_inline)) inline void multiply_add(Halves& acc, float a, const Halves& b) {
+  acc.lo += a * b.lo;
+  acc.hi += a * b.hi;
+}
+
+// The 16 lanes added in a fixed tree: lane j += lane j + 8, then + 4, + 2, + 1; lane 0's sum.
+__attribute__((always_inline)) inline float lane_sum(VecF lane) {
   lane += __builtin_shufflevector(lane, lane, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   lane += __builtin_shufflevector(lane, lane, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   lane += __builtin_shufflevector(lane, lane, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   lane += __builtin_shufflevector(lane, lane, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return lane[0];
 }
+__attribute__((always_inline)) inline float lane_sum(const Halves& lane) {
+  Vec8 s = lane.lo + lane.hi;
+  s += __builtin_shufflevector(s, s, 4, 5, 6, 7, 0, 1, 2, 3);
+  s += __builtin_shufflevector(s, s, 2, 3, 0, 1, 6, 7, 4, 5);
+  s += __builtin_shufflevector(s, s, 1, 0, 3, 2, 5, 4, 7, 6);
+  return s[0];
+}
+
+// q . k over d, k widened from its buffer at element k_off: 16 lanes each summing every 16th product in
+// ascending order, then lane_sum. d is a multiple of 16 (the caller checks).
+template <bool kBf16, class V>
+__attribute__((always_inline)) inline float dot16(const float* __restrict q, const void* k, int64_t k_off,
+                                                  int64_t d) {
+  V lane = {};
+  for (int64_t c = 0; c < d; c += kLanes) {
+    multiply_add(lane, load16<false, V>(q, c), load16<kBf16, V>(k, k_off + c));
+  }
+  return lane_sum(lane);
+}
 
 // acc[0, 16 N) = sum over w < width, ascending, of p[w] * v[v_off + w d + (0, 16 N)]: N vectors of
 // accumulators held in registers across the columns.
-template <bool kBf16, int N>
-inline void weighted_sum(const float* __restrict p, const void* v, int64_t v_off, int64_t width, int64_t d,
-                         float* __restrict acc) {
-  VecF a[N] = {};
+template <bool kBf16, class V, int N>
+__attribute__((always_inline)) inline void weighted_sum(const float* __restrict p, const void* v,
+                                                        int64_t v_off, int64_t width, int64_t d,
+                                                        float* __restrict acc) {
+  V a[N] = {};
   for (int64_t w = 0; w < width; ++w) {
     const float pw = p[w];
-    for (int j = 0; j < N; ++j) a[j] += pw * load16<kBf16>(v, v_off + w * d + j * kLanes);
+    for (int j = 0; j < N; ++j) multiply_add(a[j], pw, load16<kBf16, V>(v, v_off + w * d + j * kLanes));
   }
-  for (int j = 0; j < N; ++j) vstore(acc + j * kLanes, a[j]);
+  for (int j = 0; j < N; ++j) store16(acc + j * kLanes, a[j]);
 }
 
 // One (row, kv head): queries q [m, d], keys and values k, v [width, d] (element offsets into their
 // buffers), the visible mask row of query i at vis + (i % tokens) * vis_stride, output out [m, d].
 // Scratch: scores [m, width], qf [m, d], acc [d].
-template <bool kBf16>
+template <bool kBf16, class V>
 __attribute__((always_inline)) inline void attend_head(const void* q, int64_t q_off, const void* k,
                                                        const void* v, int64_t kv_off, const uint8_t* vis,
                                                        int64_t vis_stride, int64_t tokens, void* out, int64_t m,
                                                        int64_t width, int64_t d, float scale, float* scores,
                                                        float* qf, float* acc) {
-  for (int64_t i = 0; i < m * d; i += kLanes) vstore(qf + i, load16<kBf16>(q, q_off + i));
+  for (int64_t i = 0; i < m * d; i += kLanes) store16(qf + i, load16<kBf16, V>(q, q_off + i));
   for (int64_t i = 0; i < m; ++i) {
     const uint8_t* see = vis + (i % tokens) * vis_stride;
     float* s = scores + i * width;
     for (int64_t w = 0; w < width; ++w) {
-      s[w] = see[w] ? dot16<kBf16>(qf + i * d, k, kv_off + w * d, d) * scale : -INFINITY;
+      s[w] = see[w] ? dot16<kBf16, V>(qf + i * d, k, kv_off + w * d, d) * scale : -INFINITY;
     }
   }
   for (int64_t i = 0; i < m; ++i) {
@@ -112,11 +158,13 @@ __attribute__((always_inline)) inline void attend_head(const void* q, int64_t q_
       for (int64_t w = 0; w < width; ++w) total += s[w];
       // every column multiplies (masked ones by 0), as in the product of the probabilities with V
       int64_t c = 0;
-      for (; c + 4 * kLanes <= d; c += 4 * kLanes) weighted_sum<kBf16, 4>(s, v, kv_off + c, width, d, acc + c);
+      for (; c + 4 * kLanes <= d; c += 4 * kLanes) {
+        weighted_sum<kBf16, V, 4>(s, v, kv_off + c, width, d, acc + c);
+      }
       switch ((d - c) / kLanes) {
-        case 3: weighted_sum<kBf16, 3>(s, v, kv_off + c, width, d, acc + c); break;
-        case 2: weighted_sum<kBf16, 2>(s, v, kv_off + c, width, d, acc + c); break;
-        case 1: weighted_sum<kBf16, 1>(s, v, kv_off + c, width, d, acc + c); break;
+        case 3: weighted_sum<kBf16, V, 3>(s, v, kv_off + c, width, d, acc + c); break;
+        case 2: weighted_sum<kBf16, V, 2>(s, v, kv_off + c, width, d, acc + c); break;
+        case 1: weighted_sum<kBf16, V, 1>(s, v, kv_off + c, width, d, acc + c); break;
         default: break;
       }
     }
@@ -132,31 +180,52 @@ __attribute__((always_inline)) inline void attend_head(const void* q, int64_t q_
   }
 }
 
-// The per-head body compiled once per dtype and instruction set (target_clones does not reach templates).
+// The per-head body compiled once per dtype and instruction set, each with its form of the 16 lanes, and
+// chosen once by the CPU (target_clones cannot vary the form).
 #define BITRL_ATTEND_HEAD_ARGS                                                                             \
   const void *q, int64_t q_off, const void *k, const void *v, int64_t kv_off, const uint8_t *vis,             \
       int64_t vis_stride, int64_t tokens, void *out, int64_t m, int64_t width, int64_t d, float scale,       \
       float *scores, float *qf, float *acc
 #define BITRL_ATTEND_HEAD_CALL \
   q, q_off, k, v, kv_off, vis, vis_stride, tokens, out, m, width, d, scale, scores, qf, acc
-__attribute__((target_clones("avx512f", "avx2", "default"))) void attend_head_bf16(BITRL_ATTEND_HEAD_ARGS) {
-  attend_head<true>(BITRL_ATTEND_HEAD_CALL);
+using AttendHead = void (*)(BITRL_ATTEND_HEAD_ARGS);
+
+template <bool kBf16>
+__attribute__((target("avx512f"))) void attend_head_avx512(BITRL_ATTEND_HEAD_ARGS) {
+  attend_head<kBf16, VecF>(BITRL_ATTEND_HEAD_CALL);
 }
-__attribute__((target_clones("avx512f", "avx2", "default"))) void attend_head_f32(BITRL_ATTEND_HEAD_ARGS) {
-  attend_head<false>(BITRL_ATTEND_HEAD_CALL);
+template <bool kBf16>
+__attribute__((target("avx2"))) void attend_head_avx2(BITRL_ATTEND_HEAD_ARGS) {
+  attend_head<kBf16, Halves>(BITRL_ATTEND_HEAD_CALL);
+}
+template <bool kBf16>
+void attend_head_baseline(BITRL_ATTEND_HEAD_ARGS) {
+  attend_head<kBf16, Halves>(BITRL_ATTEND_HEAD_CALL);
+}
+
+template <bool kBf16>
+AttendHead attend_head_for_this_cpu() {
+  static const AttendHead chosen = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return &attend_head_avx512<kBf16>;
+    if (__builtin_cpu_supports("avx2")) return &attend_head_avx2<kBf16>;
+    return &attend_head_baseline<kBf16>;
+  }();
+  return chosen;
 }
 
 template <bool kBf16>
 void attend(const void* q, const void* k, const void* v, const uint8_t* vis, void* out, int64_t rows,
             int64_t heads, int64_t m, int64_t tokens, int64_t width, int64_t d, int64_t columns,
             int64_t vis_row_stride, int64_t vis_stride, float scale) {
+  const AttendHead attend_head_here = attend_head_for_this_cpu<kBf16>();
 #pragma omp parallel
   {
     std::vector<float> scores(m * width), qf(m * d), acc(d);
 #pragma omp for schedule(static)
     for (int64_t rh = 0; rh < rows * heads; ++rh) {
       const int64_t r = rh / heads;
-      (kBf16 ? attend_head_bf16 : attend_head_f32)(q, rh * m * d, k, v, rh * columns * d,
+      attend_head_here(q, rh * m * d, k, v, rh * columns * d,
                                                   vis + r * vis_row_stride, vis_stride, tokens, out, m,
                                                   width, d, scale, scores.data(), qf.data(), acc.data());
     }
