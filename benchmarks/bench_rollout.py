@@ -214,7 +214,8 @@ def main(argv=None):
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(prompts=args.prompts, new_tokens=args.new_tokens, reps=args.reps, **machine())
     given = argv if argv is not None else sys.argv[1:]
-    meta["command"] = "python benchmarks/bench_rollout.py " + " ".join(given)
+    # paths under the checkout as the reader's own: the command reproduces from its root
+    meta["command"] = "python benchmarks/bench_rollout.py " + " ".join(given).replace(f"{REPO}/", "")
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows, summary=summary), indent=1))
     print(table(summary))
 

@@ -147,6 +147,7 @@ def _rollout_rows(name: str) -> list[list]:
         over_hf = [v for k, v in s.items() if k.startswith("new_over_hf")]
         rows.append(
             [
+                recorded_cpu(d["meta"]),
                 f"{d['meta']['prompts']} × {d['meta']['new_tokens']} {s['workload']}",
                 s["dtype"],
                 d["meta"].get("reps", "–"),
@@ -162,14 +163,14 @@ def _rollout_rows(name: str) -> list[list]:
     return rows
 
 
-ROLLOUT_FILES = ("bench_rollout_floor_64x128.json",)
+ROLLOUT_FILES = ("bench_rollout_floor_64x128.json", "bench_rollout_floor_avx2_fp32_64x128.json")
 
 
 def table_rollout() -> str:
     rows = [r for n in ROLLOUT_FILES for r in _rollout_rows(n)]
-    head = ["workload", "dtype", "reps", *ROLLOUT_ENGINES, "new / old", "new / best hf", "new / floor"]
+    head = ["CPU", "workload", "dtype", "reps", *ROLLOUT_ENGINES, "new / old", "new / best hf", "new / floor"]
     head.append("hf / floor")
-    return md(head, rows, "lllrrrrrrrrr") + source(*ROLLOUT_FILES)
+    return md(head, rows, "llllrrrrrrrrr") + source(*ROLLOUT_FILES)
 
 
 # --------------------------------------------------------------------------------------------- reuse
@@ -1060,6 +1061,7 @@ DESCRIPTIONS = {
     "table)",
     "bench_rollout_floor_64x128.json": "rollout throughput of the engine and model.generate against the "
     "floor of their products, SmolLM2-135M, bf16 and fp32",
+    "bench_rollout_floor_avx2_fp32_64x128.json": "the same in fp32 on a CPU without bf16 units (AVX2 only)",
     "bench_trainer.json": "update throughput and memory at SmolLM2-135M's size",
     "kernel_resources.json": "every Triton specialization compiled for sm_90 / sm_100",
     "study_mismatch_200steps.json": "low-precision rollouts and corrections on the demo, 200 steps",
