@@ -5,8 +5,14 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# The Triton interpreter runs tl.dot as numpy's matmul, i.e. OpenBLAS. Its Haswell/Zen sgemm sums a row of a
+# tile in an order that depends on the row's place in the tile (main and remainder micro-kernels), so the
+# interpreter would break the batch invariance that the compiled kernels have; the Nehalem kernels keep one
+# order for every row. Set before numpy is first imported (torch imports it).
+os.environ.setdefault("OPENBLAS_CORETYPE", "Nehalem")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from hypothesis import settings
 from torch.utils._python_dispatch import TorchDispatchMode
 
