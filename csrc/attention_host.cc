@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "host_math.h"
@@ -56,7 +57,7 @@ __attribute__((always_inline)) inline W load_as(const void* base, int64_t i) {
 
 template <bool kBf16, class V>
 __attribute__((always_inline)) inline V load16(const void* base, int64_t i) {
-  if constexpr (sizeof(V) == sizeof(VecF) && !__is_class(V)) {
+  if constexpr (std::is_same_v<V, VecF>) {
     return load_as<kBf16, VecF, VecU32, VecU16>(base, i);
   } else {
     return {load_as<kBf16, Vec8, Vec8U32, Vec8U16>(base, i),
