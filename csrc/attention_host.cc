@@ -113,6 +113,30 @@ __attribute__((always_inline)) inline float dot16(const float* __restrict q, con
   return lane_sum(lane);
 }
 
+// dot16 of one query against the 4 key columns at k_off, k_off + d, + 2 d, + 3 d: the same operations per
+// score, interleaved so that the 4 chains of additions overlap instead of waiting on each other.
+template <bool kBf16, class V>
+__attribute__((always_inline)) inline void dot16_x4(const float* __restrict q, const void* k, int64_t k_off,
+                                                    int64_t d, float* out) {
+  V l0 = {}, l1 = {}, l2 = {}, l3 = {};
+  for (int64_t c = 0; c < d; c += kLanes) {
+    const V qc = load16<false, V>(q, c);
+    multiply_add(l0, qc, load16<kBf16, V>(k, k_off + c));
+    multiply_add(l1, qc, load16<kBf16, V>(k, k_off + d + c));
+    multiply_add(l2, qc, load16<kBf16, V>(k, k_off + 2 * d + c));
+    multiply_add(l3, qc, load16<kBf16, V>(k, k_off + 3 * d + c));
+  }
+  out[0] = lane_sum(l0);
+  out[1] = lane_sum(l1);
+  out[2] = lane_sum(l2);
+  out[3] = lane_sum(l3);
+}
+
+// Asks for the bytes [p, p + bytes) in cache ahead of their use (one request per 64-byte line).
+__attribute__((always_inline)) inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+}
+
 // acc[0, 16 N) = sum over w < width, ascending, of p[w] * v[v_off + w d + (0, 16 N)]: N vectors of
 // accumulators held in registers across the columns.
 template <bool kBf16, class V, int N>
@@ -134,14 +158,34 @@ template <bool kBf16, class V>
 __attribute__((always_inline)) inline void attend_head(const void* q, int64_t q_off, const void* k,
                                                        const void* v, int64_t kv_off, const uint8_t* vis,
                                                        int64_t vis_stride, int64_t tokens, void* out, int64_t m,
-                                                       int64_t width, int64_t d, float scale, float* scores,
+                                                       int64_t width, int64_t d, int64_t columns, float scale,
+                                                       float* scores,
                                                        float* qf, float* acc) {
   for (int64_t i = 0; i < m * d; i += kLanes) store16(qf + i, load16<kBf16, V>(q, q_off + i));
-  for (int64_t i = 0; i < m; ++i) {
-    const uint8_t* see = vis + (i % tokens) * vis_stride;
-    float* s = scores + i * width;
-    for (int64_t w = 0; w < width; ++w) {
-      s[w] = see[w] ? dot16<kBf16, V>(qf + i * d, k, kv_off + w * d, d) * scale : -INFINITY;
+  // Scores by blocks of 4 columns, each block read once for all m queries (masked columns are scored too
+  // and then dropped: cheaper than breaking the block). Meanwhile this head's V and the next head's K (the
+  // next item of this thread's static share) are requested: the cache is read from memory once per step,
+  // and the requests overlap that wait with the arithmetic.
+  const int64_t elem = kBf16 ? 2 : 4, col_bytes = d * elem;
+  const char* k_bytes = static_cast<const char*>(k) + kv_off * elem;
+  const char* v_bytes = static_cast<const char*>(v) + kv_off * elem;
+  const int64_t next_head = columns * col_bytes;
+  int64_t w = 0;
+  for (; w + 4 <= width; w += 4) {
+    prefetch(v_bytes + w * col_bytes, 4 * col_bytes);
+    prefetch(k_bytes + next_head + w * col_bytes, 4 * col_bytes);
+    for (int64_t i = 0; i < m; ++i) {
+      const uint8_t* see = vis + (i % tokens) * vis_stride;
+      float* s = scores + i * width;
+      float dots[4];
+      dot16_x4<kBf16, V>(qf + i * d, k, kv_off + w * d, d, dots);
+      for (int j = 0; j < 4; ++j) s[w + j] = see[w + j] ? dots[j] * scale : -INFINITY;
+    }
+  }
+  for (; w < width; ++w) {
+    for (int64_t i = 0; i < m; ++i) {
+      const uint8_t* see = vis + (i % tokens) * vis_stride;
+      scores[i * width + w] = see[w] ? dot16<kBf16, V>(qf + i * d, k, kv_off + w * d, d) * scale : -INFINITY;
     }
   }
   for (int64_t i = 0; i < m; ++i) {
@@ -185,10 +229,10 @@ __attribute__((always_inline)) inline void attend_head(const void* q, int64_t q_
 // chosen once by the CPU (target_clones cannot vary the form).
 #define BITRL_ATTEND_HEAD_ARGS                                                                             \
   const void *q, int64_t q_off, const void *k, const void *v, int64_t kv_off, const uint8_t *vis,             \
-      int64_t vis_stride, int64_t tokens, void *out, int64_t m, int64_t width, int64_t d, float scale,       \
-      float *scores, float *qf, float *acc
+      int64_t vis_stride, int64_t tokens, void *out, int64_t m, int64_t width, int64_t d, int64_t columns,      \
+      float scale, float *scores, float *qf, float *acc
 #define BITRL_ATTEND_HEAD_CALL \
-  q, q_off, k, v, kv_off, vis, vis_stride, tokens, out, m, width, d, scale, scores, qf, acc
+  q, q_off, k, v, kv_off, vis, vis_stride, tokens, out, m, width, d, columns, scale, scores, qf, acc
 using AttendHead = void (*)(BITRL_ATTEND_HEAD_ARGS);
 
 template <bool kBf16>
@@ -226,9 +270,8 @@ void attend(const void* q, const void* k, const void* v, const uint8_t* vis, voi
 #pragma omp for schedule(static)
     for (int64_t rh = 0; rh < rows * heads; ++rh) {
       const int64_t r = rh / heads;
-      attend_head_here(q, rh * m * d, k, v, rh * columns * d,
-                                                  vis + r * vis_row_stride, vis_stride, tokens, out, m,
-                                                  width, d, scale, scores.data(), qf.data(), acc.data());
+      attend_head_here(q, rh * m * d, k, v, rh * columns * d, vis + r * vis_row_stride, vis_stride, tokens, out,
+                       m, width, d, columns, scale, scores.data(), qf.data(), acc.data());
     }
   }
 }
