@@ -20,7 +20,13 @@ from pathlib import Path
 from ._common import kernel_cache_root
 from .cuda_ext import CSRC
 
-HOST_SOURCES = ("sampler_host.cc", "softmax_tile_host.cc", "attention_host.cc", "aligned_host.cc")
+HOST_SOURCES = (
+    "sampler_host.cc",
+    "softmax_tile_host.cc",
+    "attention_host.cc",
+    "aligned_host.cc",
+    "rope_cache_host.cc",
+)
 HEADERS = ("sampler_core.h", "host_math.h")
 # No -ffast-math or -march=native: the results must be the IEEE fp32 of the formula as written (no
 # contraction into FMAs, so every target clone gives the same bits), and the cached library may be shared by
@@ -102,6 +108,8 @@ def load_host_library() -> ctypes.CDLL | None:
     _LIB.bitrl_aligned_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]
     _LIB.bitrl_aligned_silu_mul.argtypes = [ptr, ptr, ptr, i64, i32]
     _LIB.bitrl_aligned_logprobs.argtypes = [ptr, ptr, i64, i64, i64, f32, ptr, ptr, i32]
+    _LIB.bitrl_rope_store.argtypes = [ptr] * 9 + [i64] * 7 + [i32]
     for fn in ("bitrl_aligned_rms_norm", "bitrl_aligned_silu_mul", "bitrl_aligned_logprobs"):
         getattr(_LIB, fn).restype = None
+    _LIB.bitrl_rope_store.restype = None
     return _LIB

@@ -34,6 +34,7 @@ from bitrl.kernels.aligned import (
 )
 from bitrl.kernels.decode_attention import decode_attention
 from bitrl.kernels.host_ext import load_host_library
+from bitrl.kernels.rope_cache import rope_store, rotate_half
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
@@ -170,11 +171,6 @@ def _call(layer, fn):
     return fn()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Decoder:
     """A Llama-family causal LM's modules, run against a `KVCache`.
 
@@ -268,11 +264,13 @@ class Decoder:
         )
         attend = partial(self._attention, kernel_attention, cache, cols, visible, mask, width)
         host = self._host_elementwise and cache is not None and not torch.is_grad_enabled()
+        # the host's rotary pass writes K and V into the cache itself (a cache in the compute dtype)
+        store = (cache, cols) if host and cache.dtype == self.dtype else None
         for i, layer in enumerate(self.layers):
-            x = self.run_layer(layer, partial(self._layer, i, layer, x, cos, sin, attend, host))
+            x = self.run_layer(layer, partial(self._layer, i, layer, x, cos, sin, attend, host, store))
         return self._norm(self.inner.norm, x, host)
 
-    def _layer(self, i, layer, x, cos, sin, attend, host=False):
+    def _layer(self, i, layer, x, cos, sin, attend, host=False, store=None):
         rows, steps = x.shape[:2]
         attn = layer.self_attn
         h = self._norm(layer.input_layernorm, x, host)
@@ -281,9 +279,14 @@ class Decoder:
         v = self._linear(attn.v_proj, h).view(rows, steps, -1, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3
             q, k = self._norm(attn.q_norm, q, host), self._norm(attn.k_norm, k, host)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if store is not None:  # one host pass: the rotary embedding, K and V into the cache
+            cache, cols = store
+            q = rope_store(q, k, v, cos[:, 0], sin[:, 0], cache.k[i], cache.v[i], cols)
+            k = v = None  # stored
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         o = attend(i, q, k, v).view(rows, self.heads, steps, self.head_dim)
         x = x + self._linear(attn.o_proj, o.transpose(1, 2).reshape(rows, steps, -1))
         return x + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x, host), host)
@@ -293,7 +296,8 @@ class Decoder:
         it first) or, without a cache, over k and v themselves."""
         rows, _, steps, _ = q.shape
         if cache is not None:
-            cache.write(i, k, v, cols)
+            if k is not None:  # else already stored (rope_store)
+                cache.write(i, k, v, cols)
             keys, values = cache.k[i], cache.v[i]
         else:
             keys, values = k, v

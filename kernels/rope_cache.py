@@ -1,0 +1,80 @@
+"""The rotary embedding of a decode step's queries and keys, the keys and values stored into the KV cache.
+
+    q_rot = rope_store(q, k, v, cos, sin, k_cache, v_cache, cols)
+
+q [R, T, Hq, d], k and v [R, T, Hk, d] (the projections viewed per head), cos and sin [R, T, d] (the
+model's rotary table at each token's position): q_rot [R, Hq, T, d] = q cos + rotate_half(q) sin, and
+token t of row r writes rotate(k) and v into column cols[r, t] of cache row r ([R, Hk, C, d]). One pass on
+the CPU (csrc/rope_cache_host.cc) with the bits of the torch formula (`rope_store_reference`); elsewhere,
+or for other dtypes and layouts, that formula.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import check_tensor
+from .host_ext import load_host_library
+
+HOST_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_store_reference(q, k, v, cos, sin, k_cache, v_cache, cols) -> torch.Tensor:
+    """The formula in torch ops, in the tensors' dtype (each product and the sum rounded to it)."""
+    rows, tokens, _, d = q.shape
+    cos, sin = cos[:, None], sin[:, None]  # [R, 1, T, d]: one table for every head
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    r = torch.arange(rows, device=q.device)[:, None].expand(rows, tokens)
+    k_cache[r, :, cols] = k.transpose(1, 2).to(k_cache.dtype)
+    v_cache[r, :, cols] = v.transpose(1, 2).to(v_cache.dtype)
+    return q
+
+
+def _check(q, k, v, cos, sin, k_cache, v_cache, cols):
+    check_tensor("q", q, ndim=4)
+    rows, tokens, _, d = q.shape
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(name, t, shape=(rows, tokens, None, d), dtypes=(q.dtype,), device=q.device)
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected the shape of k {list(k.shape)}, got {list(v.shape)}")
+    if d % 2:
+        raise ValueError(f"q: the rotary embedding needs an even head_dim, got {d}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(name, t, shape=(rows, tokens, d), dtypes=(q.dtype,), device=q.device)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, shape=(rows, k.shape[2], None, d), device=q.device)
+    check_tensor("cols", cols, shape=(rows, tokens), dtypes=(torch.long,), device=q.device)
+
+
+def rope_store(q, k, v, cos, sin, k_cache, v_cache, cols) -> torch.Tensor:
+    """q_rot [R, Hq, T, d] in q's dtype; rotated k and v written into k_cache / v_cache [R, Hk, C, d] at
+    columns cols [R, T] int64 (module docstring). Columns must be within the cache (not checked on the
+    host: no device sync)."""
+    _check(q, k, v, cos, sin, k_cache, v_cache, cols)
+    rows, tokens, q_heads, d = q.shape
+    kv_heads, columns = k_cache.shape[1], k_cache.shape[2]
+    lib = load_host_library() if q.device.type == "cpu" and q.dtype in HOST_DTYPES else None
+    layout = (columns * d, d, 1)
+    if (
+        lib is None
+        or k_cache.dtype != q.dtype
+        or v_cache.dtype != q.dtype
+        or k_cache.stride()[1:] != layout
+        or v_cache.stride() != k_cache.stride()
+    ):
+        return rope_store_reference(q, k, v, cos, sin, k_cache, v_cache, cols)
+    q, k, v, cos, sin, cols = (t.contiguous() for t in (q, k, v, cos, sin, cols))
+    out = torch.empty((rows, q_heads, tokens, d), dtype=q.dtype)
+    lib.bitrl_rope_store(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), cols.data_ptr(),
+        out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        rows, tokens, q_heads, kv_heads, d, columns, k_cache.stride(0), int(q.dtype == torch.bfloat16),
+    )  # fmt: skip
+    return out
