@@ -93,26 +93,28 @@ def make_prompts(tokenizer, count: int) -> list[list[int]]:
     return prompts
 
 
-def linear_products(model, rows: int, reps: int = 3) -> float:
-    """Seconds of one pass of torch.mm through every linear layer of `model` at `rows` rows (best of
-    `reps`): the products of one forward that no engine can avoid."""
+def linear_products(model, rows: int, passes: int = 16) -> float:
+    """Seconds of one pass of torch.mm through every linear layer of `model` at `rows` rows: the products of
+    one forward that no engine can avoid. The mean over `passes` consecutive passes after a warm-up one, as
+    an engine runs them: the best single pass was the machine's short burst (on the 2-core EPYC the first
+    pass ran 147 ms, the next ones 175-188 ms), not what it sustains over a rollout."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     dtype = linears[0].weight.dtype
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
-    best = float("inf")
-    for _ in range(reps + 1):  # the first one warms up
-        start = time.perf_counter()
+    for m in linears:  # warm-up
+        torch.mm(inputs[m.in_features], m.weight.t())
+    start = time.perf_counter()
+    for _ in range(passes):
         for m in linears:
             torch.mm(inputs[m.in_features], m.weight.t())
-        best = min(best, time.perf_counter() - start)
-    return best
+    return (time.perf_counter() - start) / passes
 
 
 def floor_seconds(model, prompts, rows: int, tokens: int) -> float:
     """The floor of a rollout of `prompts` that generated `tokens` tokens decoding `rows` rows at once: the
     products of the prefill (every distinct prompt's tokens once: repeated prompts share their prefill) plus
     those of ceil(tokens / rows) decode steps."""
-    prefill = linear_products(model, sum(len(p) for p in {tuple(p) for p in prompts}), reps=1)
+    prefill = linear_products(model, sum(len(p) for p in {tuple(p) for p in prompts}), passes=1)
     return prefill + -(-tokens // rows) * linear_products(model, rows)
 
 
