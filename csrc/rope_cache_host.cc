@@ -85,11 +85,15 @@ extern "C" {
 // q [rows, tokens, q_heads, d], k and v [rows, tokens, kv_heads, d], cos and sin [rows, tokens, d], all
 // contiguous in one dtype (bf16: 1, fp32: 0); cols [rows, tokens] int64: the cache column of each token.
 // Writes q_out [rows, q_heads, tokens, d] (contiguous) and the caches [rows, kv_heads, columns, d] (rows
-// cache_row_stride elements apart, the rest contiguous).
-void bitrl_rope_store(const void* q, const void* k, const void* v, const void* cos, const void* sin,
+// cache_row_stride elements apart, the rest contiguous). Returns 0, or (writing nothing) 1 + the index of
+// the first column outside [0, columns).
+int64_t bitrl_rope_store(const void* q, const void* k, const void* v, const void* cos, const void* sin,
                       const int64_t* cols, void* q_out, void* k_cache, void* v_cache, int64_t rows,
                       int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d, int64_t columns,
                       int64_t cache_row_stride, int bf16) {
+  for (int64_t i = 0; i < rows * tokens; ++i) {
+    if (cols[i] < 0 || cols[i] >= columns) return 1 + i;
+  }
   if (bf16) {
     rope_store<true>(q, k, v, cos, sin, cols, q_out, k_cache, v_cache, rows, tokens, q_heads, kv_heads, d,
                      columns, cache_row_stride);
@@ -97,6 +101,7 @@ void bitrl_rope_store(const void* q, const void* k, const void* v, const void* c
     rope_store<false>(q, k, v, cos, sin, cols, q_out, k_cache, v_cache, rows, tokens, q_heads, kv_heads, d,
                       columns, cache_row_stride);
   }
+  return 0;
 }
 
 }  // extern "C"

@@ -111,5 +111,5 @@ def load_host_library() -> ctypes.CDLL | None:
     _LIB.bitrl_rope_store.argtypes = [ptr] * 9 + [i64] * 7 + [i32]
     for fn in ("bitrl_aligned_rms_norm", "bitrl_aligned_silu_mul", "bitrl_aligned_logprobs"):
         getattr(_LIB, fn).restype = None
-    _LIB.bitrl_rope_store.restype = None
+    _LIB.bitrl_rope_store.restype = i64
     return _LIB

@@ -55,8 +55,7 @@ def _check(q, k, v, cos, sin, k_cache, v_cache, cols):
 
 def rope_store(q, k, v, cos, sin, k_cache, v_cache, cols) -> torch.Tensor:
     """q_rot [R, Hq, T, d] in q's dtype; rotated k and v written into k_cache / v_cache [R, Hk, C, d] at
-    columns cols [R, T] int64 (module docstring). Columns must be within the cache (not checked on the
-    host: no device sync)."""
+    columns cols [R, T] int64 (module docstring); a column outside the cache is an error."""
     _check(q, k, v, cos, sin, k_cache, v_cache, cols)
     rows, tokens, q_heads, d = q.shape
     kv_heads, columns = k_cache.shape[1], k_cache.shape[2]
@@ -69,12 +68,17 @@ def rope_store(q, k, v, cos, sin, k_cache, v_cache, cols) -> torch.Tensor:
         or k_cache.stride()[1:] != layout
         or v_cache.stride() != k_cache.stride()
     ):
+        on_host = q.device.type == "cpu" and cols.numel()  # (a CUDA check would sync)
+        if on_host and (int(cols.min()) < 0 or int(cols.max()) >= columns):
+            raise ValueError(f"cols: a column outside the cache's {columns} columns")
         return rope_store_reference(q, k, v, cos, sin, k_cache, v_cache, cols)
     q, k, v, cos, sin, cols = (t.contiguous() for t in (q, k, v, cos, sin, cols))
     out = torch.empty((rows, q_heads, tokens, d), dtype=q.dtype)
-    lib.bitrl_rope_store(
+    bad = lib.bitrl_rope_store(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), cols.data_ptr(),
         out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         rows, tokens, q_heads, kv_heads, d, columns, k_cache.stride(0), int(q.dtype == torch.bfloat16),
     )  # fmt: skip
+    if bad:
+        raise ValueError(f"cols: column {int(cols.view(-1)[bad - 1])} outside the cache's {columns} columns")
     return out

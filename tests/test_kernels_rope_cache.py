@@ -102,6 +102,13 @@ def test_rope_store_arguments_are_checked():
         rope_store(q, k, v, cos, sin, kc, vc, cols.int())
     with pytest.raises(ValueError, match="k_cache: expected shape"):
         rope_store(q, k, v, cos, sin, kc[:, :1], vc, cols)
+    for column in (12, -1):  # outside the 12 columns: nothing written
+        bad = cols.clone()
+        bad[3, 0] = column
+        before = kc.clone()
+        with pytest.raises(ValueError, match="outside the cache's 12 columns"):
+            rope_store(q, k, v, cos, sin, kc, vc, bad)
+        assert torch.equal(kc, before)
 
 
 def test_the_host_kernel_is_the_cpu_path():
