@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+PRESET = Path(__file__).resolve().parent.parent / "engine" / "presets" / "smollm2-add.yaml"
+
 # name -> (rollout.precision, rollout.* overrides); "legacy" is what bitrl used before the recipe defaults
 RECIPES = {
     "full": ("full", []),
@@ -42,6 +44,10 @@ RECIPES = {
     "mxfp4-rot-inputs": ("mxfp4", ["rollout.rotation=inputs", "rollout.outlier_tau=null"]),
     "mxfp4-fp8x10": ("mxfp4", ["rollout.fp8_layers=10"]),
     "mxfp4-fp8x30": ("mxfp4", ["rollout.fp8_layers=30"]),
+    "nvfp4-gptq": ("nvfp4", ["rollout.gptq=true"]),
+    "nvfp4-tau4-gptq": ("nvfp4", ["rollout.gptq=true", "rollout.outlier_tau=4"]),
+    "mxfp4-gptq": ("mxfp4", ["rollout.gptq=true", "rollout.outlier_tau=null"]),
+    "mxfp4-tau8-gptq": ("mxfp4", ["rollout.gptq=true"]),
 }
 
 
@@ -61,7 +67,7 @@ def weight_bits(model) -> float | None:
 def measure(name: str, policy, tokenizer, task, cfg, prompts) -> dict:
     from bitrl.engine.config import load_config
     from bitrl.engine.evaluate import accuracy
-    from bitrl.engine.loop import sensitive_layers
+    from bitrl.engine.loop import gptq_calibration, sensitive_layers
     from bitrl.rollout.generation import RolloutEngine
     from bitrl.rollout.precision import QUANT_FORMATS, make_rollout_model
     from bitrl.rollout.settings import Sampling
@@ -69,14 +75,19 @@ def measure(name: str, policy, tokenizer, task, cfg, prompts) -> dict:
     from bitrl.train.mismatch import mismatch_diagnostics
 
     precision, overrides = RECIPES[name]
-    run_cfg = load_config(None, ["seed=0", *overrides])  # the rollout.* settings
+    run_cfg = load_config(PRESET, ["seed=0", f"rollout.precision={precision}", *overrides])
     t0 = time.perf_counter()
     recipe = None
     if precision in QUANT_FORMATS:
         fmt = QUANT_FORMATS[precision]
         fp8 = sensitive_layers(policy, tokenizer, fmt, run_cfg, log=lambda m: print(m, file=sys.stderr))
         recipe = run_cfg.rollout.quant_recipe(fmt, fp8)
-    rollout_model = make_rollout_model(policy, precision, recipe)
+    calibration = None
+    if recipe is not None and recipe.gptq:  # the preset's training prompts and the policy's own responses
+        calibration = gptq_calibration(
+            policy, tokenizer, task, run_cfg, log=lambda m: print(m, file=sys.stderr)
+        )
+    rollout_model = make_rollout_model(policy, precision, recipe, calibration)
     build_s = time.perf_counter() - t0
     sampling = Sampling(
         max_new_tokens=32,
@@ -121,7 +132,7 @@ def main(argv=None) -> int:
     from bitrl.engine.loop import build
     from bitrl.kernels.bench_stats import machine
 
-    cfg = load_config(Path(__file__).resolve().parent.parent / "engine" / "presets" / "smollm2-add.yaml")
+    cfg = load_config(PRESET)
     policy, tokenizer, task = build(cfg)
     policy.eval()
     rng = random.Random(0)

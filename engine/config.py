@@ -167,6 +167,12 @@ class RolloutConfig(Section):
     rotation_block: int = Field(32, ge=2)
     # Keep the N linears most sensitive to the format in fp8 (ranked once per model: bitrl.quant.sensitivity).
     fp8_layers: int = Field(0, ge=0)
+    # GPTQ rounding of the FP4 weights (bitrl.quant.gptq): each column's rounding error moved onto the columns
+    # not yet rounded, weighted by the layer's input Hessian, collected on the policy over gptq_prompts
+    # training prompts and the policy's own responses to them; re-run at every sync, free at run time.
+    gptq: bool = False
+    gptq_prompts: int = Field(64, ge=1)
+    gptq_damp: float = Field(0.01, gt=0, lt=1)
     # Adaptive quantization noise: K stages over the run (sigma 0, then 1e-2 -> 1e-4); 0 disables it.
     aqn_stages: int = Field(0, ge=0)
     # Where the noise goes: the rollout copy alone (an exploration perturbation the correction sees as
@@ -205,6 +211,11 @@ class RolloutConfig(Section):
             raise ValueError("rollout.aqn_stages must be 0 (off) or >= 2 (the first stage has no noise)")
         if isinstance(self.outlier_tau, float) and not self.outlier_tau > 0:
             raise ValueError(f"rollout.outlier_tau must be > 0, 'auto' or null, got {self.outlier_tau}")
+        if self.gptq and self.precision not in ("mxfp4", "nvfp4"):
+            raise ValueError(
+                "rollout.gptq rounds FP4 weights: set rollout.precision to mxfp4 or nvfp4, "
+                f"not {self.precision}"
+            )
         if self.rotation_block & (self.rotation_block - 1):
             raise ValueError(f"rollout.rotation_block must be a power of two, got {self.rotation_block}")
         if self.aligned:
@@ -238,6 +249,8 @@ class RolloutConfig(Section):
             outlier_tau=self.outlier_tau,
             rotation=rotation,
             fp8_layers=fp8_layers,
+            gptq=self.gptq,
+            gptq_damp=self.gptq_damp,
         )
 
 

@@ -187,6 +187,44 @@ def sensitive_layers(policy, tokenizer, fmt: str, cfg: Config, log=print) -> tup
     return names
 
 
+def gptq_calibration(policy, tokenizer, task, cfg: Config, log=print) -> list[torch.Tensor]:
+    """rollout.gptq's calibration: rollout.gptq_prompts training prompts (their own seeded draw, which leaves
+    the run's prompt stream alone), each with the policy's own sampled response."""
+    if cfg.model.lora.rank:
+        raise ValueError("rollout.gptq: not with LoRA (the copy's sync merges adapters without calibration)")
+    rng = random.Random(f"gptq-{cfg.seed}")
+    prompts = encode_prompts(tokenizer, [task.sample(rng) for _ in range(cfg.rollout.gptq_prompts)], cfg.task)
+    return policy_sequences(
+        policy, tokenizer, prompts, cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.seed, log
+    )
+
+
+@torch.no_grad()
+def policy_sequences(policy, tokenizer, prompts, max_new_tokens, temperature, seed, log=print):
+    """Each prompt (token ids) with the policy's own sampled response, as a rollout copy will see them:
+    int64 ids [prompt + response] per sequence, no padding (GPTQ's calibration, bitrl.quant.gptq)."""
+    t0 = time.perf_counter()
+    sampling = Sampling(
+        max_new_tokens=max_new_tokens,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        temperature=temperature,
+    )
+    was_training = policy.training
+    policy.eval()
+    rollout = RolloutEngine(policy, sampling).generate(prompts, generator=torch.Generator().manual_seed(seed))
+    policy.train(was_training)
+    sequences = [
+        torch.cat([p[pm], r[rm]]).cpu()
+        for p, pm, r, rm in zip(
+            rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask
+        )
+    ]
+    tokens, seconds = sum(len(s) for s in sequences), time.perf_counter() - t0
+    log(f"rollout.gptq: {len(sequences)} calibration sequences, {tokens} tokens, in {seconds:.0f} s")
+    return sequences
+
+
 def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> list[dict]:
     """Train as `cfg` says; with `resume`, continue from cfg.run_dir's checkpoint. Returns the metrics.
 
@@ -227,9 +265,12 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     if precision in QUANT_FORMATS:
         if ctx.enabled and cfg.rollout.rotation != "none":
             raise ValueError("rollout.rotation: not with data-parallel runs (their sync does not rotate)")
+        if ctx.enabled and cfg.rollout.gptq:
+            raise ValueError("rollout.gptq: not with data-parallel runs (their sync reads sharded weights)")
         fmt = QUANT_FORMATS[precision]
         recipe = cfg.rollout.quant_recipe(fmt, sensitive_layers(policy, tokenizer, fmt, cfg, log))
-    rollout_model = make_rollout_model(policy, precision, recipe)
+    calibration = gptq_calibration(policy, tokenizer, task, cfg, log) if recipe and recipe.gptq else None
+    rollout_model = make_rollout_model(policy, precision, recipe, calibration)
     options = EngineOptions.from_config(cfg.rollout)  # cache dtype, batch rows, compiled step
     sampling = Sampling(
         max_new_tokens=cfg.rollout.max_new_tokens,

@@ -233,7 +233,27 @@ def recipe_label(recipe) -> str:
         parts.append(f"{recipe.rotation.mode} rotation b{recipe.rotation.block}")
     if recipe.fp8_layers:
         parts.append(f"{len(recipe.fp8_layers)} layers fp8")
+    if recipe.gptq:
+        parts.append("GPTQ rounding")
     return ", ".join(parts)
+
+
+def gptq_calibration(policy, tokenizer, args, recipe_cfg, all_prompts, max_new, log) -> list:
+    """rollout.gptq's calibration: the prompts after the measured ones, with the policy's own responses (the
+    measured prompts themselves, said so, when there are no others)."""
+    from bitrl.engine.config import TaskConfig
+    from bitrl.engine.evaluate import encode_prompts
+    from bitrl.engine.loop import policy_sequences
+    from bitrl.engine.tasks import Problem
+
+    count = recipe_cfg.rollout.gptq_prompts
+    texts = all_prompts[args.num_prompts :][:count]
+    if not texts:
+        log("rollout.gptq: no prompts beyond the measured ones; calibrating on the measured prompts")
+        texts = all_prompts[:count]
+    chat = TaskConfig(chat_template=args.chat_template, system_prompt=args.system_prompt)
+    ids = encode_prompts(tokenizer, [Problem(str(i), p, "") for i, p in enumerate(texts)], chat)
+    return policy_sequences(policy, tokenizer, ids, max_new, args.temperature, args.seed, log)
 
 
 def run(args) -> int:
@@ -253,21 +273,27 @@ def run(args) -> int:
     outside = [o for o in args.overrides if not o.startswith("rollout.")]
     if outside:
         raise ValueError(f"{outside[0]}: bitrl mismatch takes rollout.KEY=VALUE settings only")
-    recipe_cfg = load_config(None, [f"seed={args.seed}", *args.overrides])
+    recipe_cfg = load_config(
+        None, [f"seed={args.seed}", f"rollout.precision={args.rollout_precision}", *args.overrides]
+    )
     torch.manual_seed(args.seed)
     if args.demo:
         cfg = load_config(None, [f"seed={args.seed}", f"model.dtype={args.trainer_dtype}"])
         policy, tokenizer, task = build(cfg)
         warm_start(policy, tokenizer, task, cfg, log=lambda msg: print(msg, file=sys.stderr))
         rng = random.Random(args.seed)
-        prompts = [task.sample(rng).prompt for _ in range(args.num_prompts)]
+        # the measured prompts, then as many more for rollout.gptq's calibration
+        extra = recipe_cfg.rollout.gptq_prompts if recipe_cfg.rollout.gptq else 0
+        prompts = [task.sample(rng).prompt for _ in range(args.num_prompts + extra)]
         max_new = args.max_new_tokens or cfg.rollout.max_new_tokens
     else:
         policy, tokenizer = load_pretrained(args.model, args.trainer_dtype)
         prompts, max_new = None, args.max_new_tokens or 128
     policy.eval()
+    all_prompts, prompts = prompts, prompts and prompts[: args.num_prompts]
     if args.prompts:
-        prompts = read_prompts(args.prompts)[: args.num_prompts]
+        all_prompts = read_prompts(args.prompts)
+        prompts = all_prompts[: args.num_prompts]
 
     if args.external:
         rollout = rollout_from_rows(
@@ -284,7 +310,10 @@ def run(args) -> int:
             recipe = recipe_cfg.rollout.quant_recipe(
                 fmt, sensitive_layers(policy, tokenizer, fmt, recipe_cfg, log)
             )
-        rollout_model = make_rollout_model(policy, args.rollout_precision, recipe)
+        calibration = None
+        if recipe is not None and recipe.gptq:
+            calibration = gptq_calibration(policy, tokenizer, args, recipe_cfg, all_prompts, max_new, log)
+        rollout_model = make_rollout_model(policy, args.rollout_precision, recipe, calibration)
         aligned = recipe_cfg.rollout.aligned
         if aligned:
             check_aligned_pair(rollout_model, policy, args)

@@ -151,27 +151,47 @@ class QuantLinear(nn.Module):
         return q
 
     @torch.no_grad()
-    def set_weight(self, weight: torch.Tensor) -> None:
+    def set_weight(
+        self, weight: torch.Tensor, hessian: torch.Tensor | None = None, damp: float = 0.01
+    ) -> None:
         """Quantize ``weight`` (out_features, in_features) into the packed buffers; bumps
         ``weight_version``. A layer made from a transformers ``Conv1D`` takes that layer's (in, out)
-        weight."""
+        weight.
+
+        hessian: float32 [in, in] ``X^T X`` of the layer's inputs: GPTQ rounding (bitrl.quant.gptq, FP4
+        formats; ``damp`` its conditioning) in place of round-to-nearest. The stored format is the same."""
         if self.source_transposed:
             weight = weight.t()
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(
                 f"weight must have shape {(self.out_features, self.in_features)}, got {tuple(weight.shape)}"
             )
+        mask = None
         if self.outlier_tau is not None:
             from .analysis import outlier_mask
             from .quantize import resolve_spec
 
             spec = resolve_spec(self.fmt, **self.quant_kwargs)
             mask = outlier_mask(weight.float(), spec.block(*weight.shape), self.outlier_tau)
+        if hessian is not None:
+            from .gptq import gptq_quantize
+
+            qt, final = gptq_quantize(weight, hessian, self.fmt, keep=mask, damp=damp, **self.quant_kwargs)
+            kept_values = final  # GPTQ holds each kept weight at its error-corrected value
+        else:
+            kept_values = weight
+            qt = None
+        if mask is not None:
             index = mask.reshape(-1).nonzero().squeeze(1)  # a host sync, once per weight sync
             self.outlier_index = index.to(torch.int32)
-            self.outlier_value = weight.reshape(-1)[index].to(torch.bfloat16)
-            weight = weight.masked_fill(mask, 0.0)
-        qt = quantize(weight, self.fmt, **self.quant_kwargs)
+            self.outlier_value = kept_values.reshape(-1)[index].to(torch.bfloat16)
+        if qt is None:
+            qt = quantize(
+                weight if mask is None else weight.masked_fill(mask, 0.0), self.fmt, **self.quant_kwargs
+            )
+        self._store(qt)
+
+    def _store(self, qt: QuantizedTensor) -> None:
         for name, t in (("qdata", qt.data), ("qscale", qt.scale), ("qtensor_scale", qt.tensor_scale)):
             cur = getattr(self, name)
             if cur is not None and t is not None and cur.shape == t.shape and cur.dtype == t.dtype:

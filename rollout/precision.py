@@ -24,12 +24,13 @@ QUANT_FORMATS = {"fp8": "fp8_e4m3", "mxfp8": "mxfp8", "mxfp4": "mxfp4", "nvfp4":
 PRECISIONS = ("full", *FLOAT_PRECISIONS, *QUANT_FORMATS)
 
 
-def make_rollout_model(policy: torch.nn.Module, precision: str = "full", recipe=None):
+def make_rollout_model(policy: torch.nn.Module, precision: str = "full", recipe=None, calibration=None):
     """A copy of `policy` for generation. precision: "full" (the policy's own dtype) or a name in PRECISIONS.
 
     recipe: for quantized precisions, the bitrl.quant.QuantRecipe of the copy (scales, outlier fallback,
     rotation, layers kept in fp8; its format must be the precision's); None: `default_recipe(precision)`,
-    the defaults of `rollout.*` (RolloutConfig.quant_recipe).
+    the defaults of `rollout.*` (RolloutConfig.quant_recipe). calibration: int64 token ids [T] per sequence,
+    the inputs a GPTQ recipe's Hessians are collected on (bitrl.quant.gptq).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"rollout.precision must be one of {PRECISIONS}, got {precision!r}")
@@ -49,6 +50,8 @@ def make_rollout_model(policy: torch.nn.Module, precision: str = "full", recipe=
         return model
     if layers and recipe is not None and recipe.rotation is not None:
         raise ValueError("rollout.rotation: not with LoRA adapters (their sync merges unrotated weights)")
+    if layers and recipe is not None and recipe.gptq:
+        raise ValueError("rollout.gptq: not with LoRA adapters (their sync merges without calibration)")
     model = copy.deepcopy(policy).eval()
     if layers:
         merge_lora(model, next(iter(layers.values())).base_layer.weight.dtype)
@@ -61,7 +64,7 @@ def make_rollout_model(policy: torch.nn.Module, precision: str = "full", recipe=
         recipe = recipe or default_recipe(precision)
         if recipe.fmt != QUANT_FORMATS[precision]:
             raise ValueError(f"recipe: format {recipe.fmt} is not rollout.precision={precision}")
-        model = quantize_with_recipe_(model, recipe, source=policy)
+        model = quantize_with_recipe_(model, recipe, source=policy, calibration=calibration)
         model._bitrl_recipe = recipe
     for p in model.parameters():
         p.requires_grad_(False)
