@@ -23,14 +23,21 @@ from torch import nn
 
 from . import reference as ref
 from .formats import get_format
-from .quantize import global_amax, quantize_reference, resolve_spec
+from .quantize import global_amax, quantize_reference, resolve_spec, round_e2m1
 from .tensor import QuantizedTensor
 
-__all__ = ["collect_hessians", "gptq_quantize", "gptq_requantize_"]
+__all__ = [
+    "collect_hessians",
+    "gptq_quantize",
+    "gptq_quantize_batched",
+    "gptq_requantize_",
+]
 
 # Columns updated together (the paper's lazy batch): the error of a batch reaches the later columns in one
 # product, which keeps the loop's cost in matrix products rather than in per-column updates.
 LAZY_COLUMNS = 128
+# The most weight elements one batched loop holds (gptq_requantize_): its working set is ~5 float32 copies.
+BATCH_ELEMENTS = 64 * 2**20
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -45,7 +52,8 @@ def collect_hessians(
     ``Conv1D``) of ``model`` over ``sequences`` (int64 token ids [T] each, run one at a time so that no
     padding enters).
 
-    names: the linears to collect (default: every one); a name the model lacks is a ValueError."""
+    names: the linears to collect (default: every one); a name the model lacks is a ValueError. Linears that
+    read the same tensor (q/k/v, gate/up) get the same Hessian object."""
     modules = dict(model.named_modules())
     wanted = [n for n, m in modules.items() if _is_linear(m)] if names is None else list(names)
     missing = [n for n in wanted if n not in modules or not _is_linear(modules[n])]
@@ -53,14 +61,25 @@ def collect_hessians(
         raise ValueError(f"collect_hessians: the model has no linear {missing[0]!r}")
     sums: dict[str, torch.Tensor] = {}
     counts = dict.fromkeys(wanted, 0)
+    # Linears that read one tensor (q/k/v, gate/up) share one sum, found on the first sequence: the input
+    # each linear reads, by identity, and the first reader of each (the inputs held, so that no id is reused).
+    first_reader: dict[int, tuple[torch.Tensor, str]] = {}
+    shares: dict[str, str] = {}
 
     def hook(name):
         def accumulate(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+            counts[name] += args[0].numel() // args[0].shape[-1]
             if name not in sums:
-                sums[name] = x.new_zeros(x.shape[1], x.shape[1])
+                owner = first_reader.setdefault(id(args[0]), (args[0], name))[1]
+                if owner != name:
+                    shares[name] = owner
+                    sums[name] = sums[owner]
+                    return
+                sums[name] = args[0].new_zeros(args[0].shape[-1], args[0].shape[-1], dtype=torch.float32)
+            elif name in shares:
+                return
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
             sums[name].addmm_(x.t(), x)
-            counts[name] += x.shape[0]
 
         return accumulate
 
@@ -74,58 +93,40 @@ def collect_hessians(
                     f"{tuple(seq.shape)}"
                 )
             model(seq.to(device)[None])
+            first_reader.clear()
     finally:
         for h in handles:
             h.remove()
     unreached = [n for n in wanted if not counts[n]]
     if unreached:
         raise ValueError(f"collect_hessians: no input reached {unreached[0]!r} (no sequence given?)")
-    return {n: sums[n] / counts[n] for n in wanted}
+    means = {n: sums[n] / counts[n] for n in wanted if n not in shares}
+    return {n: means[shares.get(n, n)] for n in wanted}
 
 
-@torch.no_grad()
-def gptq_requantize_(
-    qmodel: nn.Module, source: nn.Module, sequences: list[torch.Tensor], damp: float = 0.01
-) -> dict:
-    """Re-round every FP4 QuantLinear of ``qmodel`` (bitrl.quant.quantize_model of a copy of ``source``)
-    from ``source``'s current weights by GPTQ, on Hessians of ``source``'s own inputs over ``sequences``
-    (int64 ids [T] each). Layers in other formats (e.g. the fp8 ones of a recipe) are left as they are.
+def _inverse_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp * mean(diag H) I)^-1, float32 [B, in, in] from H [B, in, in].
 
-    Returns ``{"gptq_layers": n, "calibration_tokens": n, "seconds": t}``."""
-    from .linear import QuantLinear
-
-    t0 = time.perf_counter()
-    layers = {
-        m.source_name: m
-        for m in qmodel.modules()
-        if isinstance(m, QuantLinear) and m.source_name and get_format(m.fmt).packed
-    }
-    was_training = source.training
-    source.eval()
-    try:
-        hessians = collect_hessians(source, sequences, names=list(layers))
-    finally:
-        source.train(was_training)
-    weights = dict(source.named_modules())
-    for name, layer in layers.items():
-        layer.set_weight(weights[name].weight.detach(), hessian=hessians[name], damp=damp)
-    return {
-        "gptq_layers": len(layers),
-        "calibration_tokens": sum(int(s.numel()) for s in sequences),
-        "seconds": time.perf_counter() - t0,
-    }
-
-
-def _inverse_cholesky(hessian: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(upper Cholesky factor of (H + damp * mean(diag H) I)^-1 [in, in] fp32, dead columns [in] bool).
-
-    A dead column (no calibration input ever reached it) gets a unit diagonal: its weight rounds alone."""
+    A dead input (no calibration token reached it) gets a unit diagonal: its weights round alone (they are
+    kept, not zeroed: the rollout's inputs may reach it)."""
     h = hessian.to(torch.float64).clone()
-    dead = h.diagonal() <= 0
-    h[dead, dead] = 1.0
-    h.diagonal().add_(damp * h.diagonal().mean())
+    diag = h.diagonal(dim1=-2, dim2=-1)
+    diag.masked_fill_(diag <= 0, 1.0)
+    diag.add_(damp * diag.mean(-1, keepdim=True))
     inverse = torch.cholesky_inverse(torch.linalg.cholesky(h))
-    return torch.linalg.cholesky(inverse, upper=True).to(torch.float32), dead
+    return torch.linalg.cholesky(inverse, upper=True).to(torch.float32)
+
+
+def _check(weight: torch.Tensor, hessian: torch.Tensor, keep: torch.Tensor | None) -> None:
+    if weight.dim() != 2 or tuple(hessian.shape) != (weight.shape[1],) * 2:
+        raise ValueError(
+            f"weight must be [out, in] and hessian [in, in]; got {tuple(weight.shape)} and "
+            f"{tuple(hessian.shape)}"
+        )
+    if not bool(torch.isfinite(hessian).all()):
+        raise ValueError("hessian contains NaN or inf: the calibration forward produced non-finite inputs")
+    if keep is not None and (tuple(keep.shape) != tuple(weight.shape) or keep.dtype != torch.bool):
+        raise ValueError(f"keep must be a bool tensor of shape {tuple(weight.shape)}")
 
 
 @torch.no_grad()
@@ -142,76 +143,202 @@ def gptq_quantize(
 
     hessian: [in, in] ``X^T X`` of the layer's inputs (:func:`collect_hessians`). keep: bool [out, in], the
     weights held outside the format (the outlier fallback): they take no part in the block scales, are held
-    exactly (their error, bf16 rounding, moves on like the others) and their codes are zero. damp: the
-    fraction of the mean diagonal added to H (conditioning). quant_kwargs: ``scale_mode`` / ``block_size``
-    as for :func:`bitrl.quant.quantize`.
+    at their error-corrected value in bf16 (its rounding moves on like the others') and their codes are zero.
+    damp: the fraction of the mean diagonal added to H (conditioning). quant_kwargs: ``scale_mode`` /
+    ``block_size`` as for :func:`bitrl.quant.quantize`.
 
     Returns (QuantizedTensor, float32 [out, in] final weights: the dequantized codes, and the kept weights'
     values at the positions of ``keep``).
     """
+    return gptq_quantize_batched([[weight]], hessian[None], fmt, keeps=[[keep]], damp=damp, **quant_kwargs)[
+        0
+    ][0]
+
+
+@torch.no_grad()
+def gptq_quantize_batched(
+    groups: list[list[torch.Tensor]],
+    hessians: torch.Tensor,
+    fmt: str,
+    *,
+    keeps: list[list[torch.Tensor | None] | None] | None = None,
+    damp: float = 0.01,
+    **quant_kwargs,
+) -> list[list[tuple[QuantizedTensor, torch.Tensor]]]:
+    """GPTQ of B independent problems in one column loop: ``groups[b]`` the weights [out_i, in] that read
+    the input whose Hessian is ``hessians[b]`` ([B, in, in]); every group has the same stacked row count
+    (e.g. one transformer block's q/k/v each). The loop's cost is per column, so rounding every block of a
+    model at once costs what one block did. Returns, per group, (QuantizedTensor, final) per weight."""
     f = get_format(fmt)
     if not (f.packed and f.scale_kind != "fp32"):
         raise ValueError(f"gptq_quantize takes the block-scaled FP4 formats (mxfp4, nvfp4), got {f.name}")
-    if weight.dim() != 2 or tuple(hessian.shape) != (weight.shape[1],) * 2:
-        raise ValueError(
-            f"weight must be [out, in] and hessian [in, in]; got {tuple(weight.shape)} and "
-            f"{tuple(hessian.shape)}"
-        )
-    if not bool(torch.isfinite(hessian).all()):
-        raise ValueError("hessian contains NaN or inf: the calibration forward produced non-finite inputs")
+    keeps = keeps or [None] * len(groups)
+    keeps = [k or [None] * len(g) for g, k in zip(groups, keeps)]
+    for group, group_keep, h in zip(groups, keeps, hessians):
+        for w, k in zip(group, group_keep):
+            _check(w, h, k)
     spec = resolve_spec(f, **quant_kwargs)
-    rows, cols = weight.shape
     bw = spec.block_size
+    count, cols = len(groups), hessians.shape[-1]
+    rows = sum(w.shape[0] for w in groups[0])
+    if any(sum(w.shape[0] for w in g) != rows for g in groups):
+        raise ValueError("gptq_quantize_batched: every group must stack the same number of rows")
     kp = -(-cols // bw) * bw
-    w = torch.zeros(rows, kp, dtype=torch.float32, device=weight.device)
-    w[:, :cols] = weight.to(torch.float32)
-    h = torch.zeros(kp, kp, dtype=torch.float32, device=weight.device)
-    h[:cols, :cols] = hessian.to(weight.device, torch.float32)
-    kept = torch.zeros(rows, kp, dtype=torch.bool, device=weight.device)
-    if keep is not None:
-        if tuple(keep.shape) != tuple(weight.shape) or keep.dtype != torch.bool:
-            raise ValueError(f"keep must be a bool tensor of shape {tuple(weight.shape)}")
-        kept[:, :cols] = keep
-    # the tensor scale (NVFP4) is the plain quantizer's: from the weight without its kept entries
-    gmax = global_amax(w.masked_fill(kept, 0.0), name="weight")
-    upper, dead = _inverse_cholesky(h, damp)
-    w[:, dead] = 0.0
-    grid = torch.zeros(rows, kp, dtype=torch.float32, device=weight.device)  # codes' values (x / scale)
+    device = hessians.device
+    w = torch.zeros(count, rows, kp, dtype=torch.float32, device=device)
+    kept = torch.zeros(count, rows, kp, dtype=torch.bool, device=device)
+    gmax = torch.ones(count, rows, 1, dtype=torch.float32, device=device)
+    for b, (group, group_keep) in enumerate(zip(groups, keeps)):
+        r = 0
+        for weight, keep in zip(group, group_keep):
+            n = weight.shape[0]
+            w[b, r : r + n, :cols] = weight.to(torch.float32)
+            if keep is not None:
+                kept[b, r : r + n, :cols] = keep
+            # each weight's tensor scale (NVFP4) is the plain quantizer's: from the weight without its kept
+            # entries
+            gmax[b, r : r + n] = global_amax(
+                w[b, r : r + n].masked_fill(kept[b, r : r + n], 0.0), name="weight"
+            )
+            r += n
+    h = torch.zeros(count, kp, kp, dtype=torch.float32, device=device)
+    h[:, :cols, :cols] = hessians.to(torch.float32)
+    upper = _inverse_cholesky(h, damp)
+    any_kept = bool(kept.any())
+    grid = torch.zeros_like(w)  # the codes' values (x / scale)
     final = torch.zeros_like(w)
     scales, tensor_scale = [], None
+    flat_gmax = gmax.reshape(-1, 1)
     for start in range(0, kp, LAZY_COLUMNS):
         stop = min(start + LAZY_COLUMNS, kp)
-        block = w[:, start:stop].clone()
+        block = w[:, :, start:stop].clone()
         errors = torch.zeros_like(block)
-        hinv = upper[start:stop, start:stop]
+        hinv = upper[:, start:stop, start:stop]
         for i in range(stop - start):
             col = start + i
             if col % bw == 0:  # a scale block begins: its scale from the weights as they stand now
-                group = block[:, i : i + bw].masked_fill(kept[:, col : col + bw], 0.0)
-                _, stored, tensor_scale = quantize_reference(group, spec, (1, bw), None, gmax)
-                scales.append(stored)
-                scale = (ref.e8m0_from_storage(stored) if f.scale_kind == "e8m0" else stored.float())[:, 0]
-                value = scale if tensor_scale is None else scale * tensor_scale
+                group = block[:, :, i : i + bw].masked_fill(kept[:, :, col : col + bw], 0.0).reshape(-1, bw)
+                stored, tensor_scale = _block_scales(group, spec, flat_gmax)
+                scales.append(stored.reshape(count, rows, 1))
+                scale = ref.e8m0_from_storage(stored) if f.scale_kind == "e8m0" else stored.float()
+                scale = scale.reshape(count, rows)
+                ts = None if tensor_scale is None else tensor_scale.reshape(count, rows)
+                value = scale if ts is None else scale * ts
                 safe = torch.where(value > 0, value, torch.ones_like(value))
-            x = block[:, i]
-            g = ref.round_to_element((x / safe).abs(), f.element).copysign(x)
-            g = torch.where(value > 0, g, torch.zeros_like(g)).masked_fill_(kept[:, col], 0.0)
-            deq = g * scale if tensor_scale is None else g * scale * tensor_scale  # dequantize's order
-            q = torch.where(kept[:, col], x.to(torch.bfloat16).float(), deq)
-            grid[:, col], final[:, col] = g, q
-            err = (x - q) / hinv[i, i]
-            block[:, i:].addr_(err, hinv[i, i:], alpha=-1.0)
-            errors[:, i] = err
-        w[:, stop:].addmm_(errors, upper[start:stop, stop:], alpha=-1.0)
-    qt = QuantizedTensor(
-        fmt=f,
-        shape=weight.shape,
-        data=ref.pack_fp4(ref.encode_e2m1_nearest(grid)),
-        scale=torch.cat(scales, dim=1),
-        tensor_scale=tensor_scale,
-        block=(1, bw),
-        granularity="block",
-        scale_mode=spec.scale_mode,
-        dtype=weight.dtype,
-    )
-    return qt, final[:, :cols]
+                no_code = value <= 0
+            x = block[:, :, i]
+            g = round_e2m1((x / safe).abs_()).copysign_(x)
+            g.masked_fill_(no_code | kept[:, :, col] if any_kept else no_code, 0.0)
+            q = g * scale if ts is None else g * scale * ts  # dequantize's order of products
+            if any_kept:
+                q = torch.where(kept[:, :, col], x.to(torch.bfloat16).float(), q)
+            grid[:, :, col], final[:, :, col] = g, q
+            err = (x - q).div_(hinv[:, i, i, None])
+            block[:, :, i:].baddbmm_(err[:, :, None], hinv[:, i : i + 1, i:], alpha=-1.0)
+            errors[:, :, i] = err
+        w[:, :, stop:].baddbmm_(errors, upper[:, start:stop, stop:], alpha=-1.0)
+    codes = ref.pack_fp4(ref.encode_e2m1_nearest(grid.reshape(count * rows, kp))).reshape(count, rows, -1)
+    stored_scales = torch.cat(scales, dim=2)
+    out = []
+    for b, group in enumerate(groups):
+        r, results = 0, []
+        for weight in group:
+            n = weight.shape[0]
+            qt = QuantizedTensor(
+                fmt=f,
+                shape=weight.shape,
+                data=codes[b, r : r + n].contiguous(),
+                scale=stored_scales[b, r : r + n].contiguous(),
+                tensor_scale=None if tensor_scale is None else ref.nvfp4_tensor_scale(gmax[b, r, 0]),
+                block=(1, bw),
+                granularity="block",
+                scale_mode=spec.scale_mode,
+                dtype=weight.dtype,
+            )
+            results.append((qt, final[b, r : r + n, :cols].clone()))
+            r += n
+        out.append(results)
+    return out
+
+
+def _block_scales(group: torch.Tensor, spec, gmax: torch.Tensor):
+    """(stored scales [rows, 1], tensor scales [rows, 1] or None) of one 1 x bw block per row of ``group``
+    [rows, bw], each row's tensor scale from its weight's amax ``gmax`` [rows, 1] (the plain quantizer's rule,
+    bitrl.quant.quantize_reference)."""
+    if (
+        group.shape[0] == 1
+    ):  # quantize_reference reads a one-block tensor's gmax as its amax: give it two rows
+        stored, ts = _block_scales(torch.cat([group, torch.zeros_like(group)]), spec, gmax.expand(2, 1))
+        return stored[:1], None if ts is None else ts[:1]
+    _, stored, ts = quantize_reference(group, spec, (1, group.shape[1]), None, gmax)
+    return stored, ts
+
+
+@torch.no_grad()
+def gptq_requantize_(
+    qmodel: nn.Module, source: nn.Module, sequences: list[torch.Tensor], damp: float = 0.01
+) -> dict:
+    """Re-round every FP4 QuantLinear of ``qmodel`` (bitrl.quant.quantize_model of a copy of ``source``)
+    from ``source``'s current weights by GPTQ, on Hessians of ``source``'s own inputs over ``sequences``
+    (int64 ids [T] each). Layers in other formats (e.g. the fp8 ones of a recipe) are left as they are.
+
+    The layers that read one input (q/k/v, gate/up) are rounded as one matrix, and the like problems of
+    every transformer block in one batched loop (bounded by BATCH_ELEMENTS).
+
+    Returns ``{"gptq_layers": n, "calibration_tokens": n, "seconds": t}``."""
+    from .linear import QuantLinear
+
+    t0 = time.perf_counter()
+    layers = {
+        m.source_name: m
+        for m in qmodel.modules()
+        if isinstance(m, QuantLinear) and m.source_name and get_format(m.fmt).packed
+    }
+    was_training = source.training
+    source.eval()
+    try:
+        hessians = collect_hessians(source, sequences, names=list(layers))
+    finally:
+        source.train(was_training)
+    modules = dict(source.named_modules())
+    # one problem per input: collect_hessians gives the layers that read one tensor the same Hessian
+    problems: list[tuple[torch.Tensor, list[str]]] = []
+    for name in layers:
+        h = hessians[name]
+        same = next((p for p in problems if p[0] is h), None)
+        if same is None:
+            problems.append((h, [name]))
+        else:
+            same[1].append(name)
+    # like problems batched: same layer formats and kwargs, same shapes
+    batches: dict[tuple, list[tuple[torch.Tensor, list[str]]]] = {}
+    for h, names in problems:
+        key = tuple((layers[n].fmt, repr(layers[n].quant_kwargs), layers[n].out_features) for n in names)
+        batches.setdefault((h.shape[0], key), []).append((h, names))
+    for (cols, key), members in batches.items():
+        rows = sum(k[2] for k in key)
+        step = max(1, BATCH_ELEMENTS // (rows * cols))
+        for at in range(0, len(members), step):
+            chunk = members[at : at + step]
+            weights, keeps = [], []
+            for _, names in chunk:
+                ws = [layers[n].oriented(modules[n].weight.detach()) for n in names]
+                weights.append(ws)
+                keeps.append([layers[n].outlier_keep(w) for n, w in zip(names, ws)])
+            first = layers[chunk[0][1][0]]
+            results = gptq_quantize_batched(
+                weights,
+                torch.stack([h for h, _ in chunk]),
+                first.fmt,
+                keeps=keeps,
+                damp=damp,
+                **first.quant_kwargs,
+            )
+            for (_, names), group_keep, group_results in zip(chunk, keeps, results):
+                for name, keep, (qt, values) in zip(names, group_keep, group_results):
+                    layers[name].set_rounded(qt, values, keep)
+    return {
+        "gptq_layers": len(layers),
+        "calibration_tokens": sum(int(s.numel()) for s in sequences),
+        "seconds": time.perf_counter() - t0,
+    }

@@ -160,35 +160,53 @@ class QuantLinear(nn.Module):
 
         hessian: float32 [in, in] ``X^T X`` of the layer's inputs: GPTQ rounding (bitrl.quant.gptq, FP4
         formats; ``damp`` its conditioning) in place of round-to-nearest. The stored format is the same."""
+        weight = self.oriented(weight)
+        keep = self.outlier_keep(weight)
+        if hessian is None:
+            qt = quantize(
+                weight if keep is None else weight.masked_fill(keep, 0.0), self.fmt, **self.quant_kwargs
+            )
+            self.set_rounded(qt, weight, keep)
+        else:
+            from .gptq import gptq_quantize
+
+            qt, values = gptq_quantize(weight, hessian, self.fmt, keep=keep, damp=damp, **self.quant_kwargs)
+            self.set_rounded(qt, values, keep)
+
+    def oriented(self, weight: torch.Tensor) -> torch.Tensor:
+        """The source layer's weight as (out_features, in_features) (a Conv1D's is transposed); checked."""
         if self.source_transposed:
             weight = weight.t()
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(
                 f"weight must have shape {(self.out_features, self.in_features)}, got {tuple(weight.shape)}"
             )
-        mask = None
-        if self.outlier_tau is not None:
-            from .analysis import outlier_mask
-            from .quantize import resolve_spec
+        return weight
 
-            spec = resolve_spec(self.fmt, **self.quant_kwargs)
-            mask = outlier_mask(weight.float(), spec.block(*weight.shape), self.outlier_tau)
-        if hessian is not None:
-            from .gptq import gptq_quantize
+    def outlier_keep(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """bool [out, in]: the weights the outlier fallback holds in bf16 (None when it is off)."""
+        if self.outlier_tau is None:
+            return None
+        from .analysis import outlier_mask
+        from .quantize import resolve_spec
 
-            qt, final = gptq_quantize(weight, hessian, self.fmt, keep=mask, damp=damp, **self.quant_kwargs)
-            kept_values = final  # GPTQ holds each kept weight at its error-corrected value
-        else:
-            kept_values = weight
-            qt = None
-        if mask is not None:
-            index = mask.reshape(-1).nonzero().squeeze(1)  # a host sync, once per weight sync
-            self.outlier_index = index.to(torch.int32)
-            self.outlier_value = kept_values.reshape(-1)[index].to(torch.bfloat16)
-        if qt is None:
-            qt = quantize(
-                weight if mask is None else weight.masked_fill(mask, 0.0), self.fmt, **self.quant_kwargs
+        spec = resolve_spec(self.fmt, **self.quant_kwargs)
+        return outlier_mask(weight.float(), spec.block(*weight.shape), self.outlier_tau)
+
+    def set_rounded(self, qt: QuantizedTensor, values: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """Hold ``qt`` as the weight, and the kept weights (``keep``, from :meth:`outlier_keep`) at their
+        ``values`` [out, in] in bf16; bumps ``weight_version``."""
+        if tuple(qt.shape) != (self.out_features, self.in_features) or qt.fmt.name != self.fmt:
+            raise ValueError(
+                f"qt must be {self.fmt} of shape {(self.out_features, self.in_features)}, "
+                f"got {qt.fmt.name} {tuple(qt.shape)}"
             )
+        if (keep is None) != (self.outlier_tau is None):
+            raise ValueError("keep must be given exactly when the layer has outlier_tau set")
+        if keep is not None:
+            index = keep.reshape(-1).nonzero().squeeze(1)  # a host sync, once per weight sync
+            self.outlier_index = index.to(torch.int32)
+            self.outlier_value = values.reshape(-1)[index].to(torch.bfloat16)
         self._store(qt)
 
     def _store(self, qt: QuantizedTensor) -> None:

@@ -269,6 +269,15 @@ def quantize_reference(
     return data, scale, ts
 
 
+def round_e2m1(a: torch.Tensor) -> torch.Tensor:
+    """Magnitudes ``a`` (float32, >= 0) rounded to the nearest E2M1 value, ties to the even code, saturating
+    at 6: the value of reference.round_to_element(a, E2M1) in a few element-wise ops. The grid's step is 0.5
+    below 2, 1 below 4 and 2 above, and torch.round's ties to even on a / step land on the even codes."""
+    a = a.clamp(max=6.0)
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    return torch.round(a / step).mul_(step)
+
+
 def _mse_scaled(xb, amax, elem, scale_kind, ts):
     """(x / scale, stored scale) with each block's scale the candidate of least squared error.
 
@@ -286,7 +295,8 @@ def _mse_scaled(xb, amax, elem, scale_kind, ts):
         zero = value <= 0
         scaled = xb / torch.where(zero, torch.ones_like(value), value)[..., None]
         scaled.masked_fill_(zero[..., None].expand_as(scaled), 0.0)
-        q = ref.round_to_element(scaled.abs(), elem) * value[..., None]
+        mag = round_e2m1(scaled.abs()) if elem.name == "e2m1" else ref.round_to_element(scaled.abs(), elem)
+        q = mag * value[..., None]
         err = (q - xb.abs()).square_().sum(-1)
         if best_err is None:
             best_err, best_scaled, best_stored = err, scaled, stored
