@@ -5,7 +5,8 @@ builds it (rollout.* settings through RolloutConfig.quant_recipe and make_rollou
 - mismatch: k3 KL and ESS per token between the copy's sampled tokens and the fp32 trainer's log-probs on
   them (the smollm2-add preset's word problems, 16 prompts x 4 samples, 32 new tokens, T 0.7), as
   `bitrl mismatch --model` computes them;
-- held-out greedy accuracy of the copy on the preset's 100 evaluation problems;
+- held-out greedy accuracy of the copy on 400 held-out problems of the preset's task (--n-eval; the
+  preset itself holds out 100, too few to separate recipes a few points apart);
 - weight storage: bits per quantized weight (codes, scales, kept outliers, fp8 layers).
 
     python benchmarks/study_4bit.py --out benchmarks/results/study_4bit_smollm2.json
@@ -28,26 +29,30 @@ import torch
 
 PRESET = Path(__file__).resolve().parent.parent / "engine" / "presets" / "smollm2-add.yaml"
 
-# name -> (rollout.precision, rollout.* overrides); "legacy" is what bitrl used before the recipe defaults
+# name -> (rollout.precision, rollout.* overrides), every remedy spelled out so that a row means the same
+# whatever the defaults are; "legacy" is what bitrl used before the recipe defaults (floor scales, no GPTQ)
+RTN = "rollout.gptq=false"
 RECIPES = {
     "full": ("full", []),
     "fp8": ("fp8", []),
-    "nvfp4-legacy": ("nvfp4", ["rollout.scale_mode=floor", "rollout.outlier_tau=null"]),
-    "nvfp4-default": ("nvfp4", []),
-    "nvfp4-tau4": ("nvfp4", ["rollout.outlier_tau=4"]),
-    "nvfp4-rot-inputs": ("nvfp4", ["rollout.rotation=inputs"]),
-    "nvfp4-fp8x10": ("nvfp4", ["rollout.fp8_layers=10"]),
-    "nvfp4-fp8x30": ("nvfp4", ["rollout.fp8_layers=30"]),
-    "mxfp4-legacy": ("mxfp4", ["rollout.scale_mode=rceil", "rollout.outlier_tau=null"]),
-    "mxfp4-mse": ("mxfp4", ["rollout.outlier_tau=null"]),
-    "mxfp4-default": ("mxfp4", []),
-    "mxfp4-rot-inputs": ("mxfp4", ["rollout.rotation=inputs", "rollout.outlier_tau=null"]),
-    "mxfp4-fp8x10": ("mxfp4", ["rollout.fp8_layers=10"]),
-    "mxfp4-fp8x30": ("mxfp4", ["rollout.fp8_layers=30"]),
+    "nvfp4-legacy": ("nvfp4", ["rollout.scale_mode=floor", "rollout.outlier_tau=null", RTN]),
+    "nvfp4-mse": ("nvfp4", [RTN]),
+    "nvfp4-tau4": ("nvfp4", ["rollout.outlier_tau=4", RTN]),
+    "nvfp4-rot-inputs": ("nvfp4", ["rollout.rotation=inputs", RTN]),
+    "nvfp4-fp8x10": ("nvfp4", ["rollout.fp8_layers=10", RTN]),
+    "nvfp4-fp8x30": ("nvfp4", ["rollout.fp8_layers=30", RTN]),
     "nvfp4-gptq": ("nvfp4", ["rollout.gptq=true"]),
-    "nvfp4-tau4-gptq": ("nvfp4", ["rollout.gptq=true", "rollout.outlier_tau=4"]),
-    "mxfp4-gptq": ("mxfp4", ["rollout.gptq=true", "rollout.outlier_tau=null"]),
-    "mxfp4-tau8-gptq": ("mxfp4", ["rollout.gptq=true"]),
+    "nvfp4-gptq-damp0.1": ("nvfp4", ["rollout.gptq=true", "rollout.gptq_damp=0.1"]),
+    "nvfp4-gptq-256": ("nvfp4", ["rollout.gptq=true", "rollout.gptq_prompts=256"]),
+    "nvfp4-tau4-gptq": ("nvfp4", ["rollout.outlier_tau=4", "rollout.gptq=true"]),
+    "mxfp4-legacy": ("mxfp4", ["rollout.scale_mode=rceil", "rollout.outlier_tau=null", RTN]),
+    "mxfp4-mse": ("mxfp4", ["rollout.outlier_tau=null", RTN]),
+    "mxfp4-tau8": ("mxfp4", ["rollout.outlier_tau=8", RTN]),
+    "mxfp4-rot-inputs": ("mxfp4", ["rollout.rotation=inputs", "rollout.outlier_tau=null", RTN]),
+    "mxfp4-fp8x10": ("mxfp4", ["rollout.fp8_layers=10", "rollout.outlier_tau=8", RTN]),
+    "mxfp4-fp8x30": ("mxfp4", ["rollout.fp8_layers=30", "rollout.outlier_tau=8", RTN]),
+    "mxfp4-gptq": ("mxfp4", ["rollout.outlier_tau=null", "rollout.gptq=true"]),
+    "mxfp4-tau8-gptq": ("mxfp4", ["rollout.outlier_tau=8", "rollout.gptq=true"]),
 }
 
 
@@ -75,7 +80,9 @@ def measure(name: str, policy, tokenizer, task, cfg, prompts) -> dict:
     from bitrl.train.mismatch import mismatch_diagnostics
 
     precision, overrides = RECIPES[name]
-    run_cfg = load_config(PRESET, ["seed=0", f"rollout.precision={precision}", *overrides])
+    run_cfg = load_config(
+        PRESET, [f"task.n_eval={cfg.task.n_eval}", f"rollout.precision={precision}", *overrides]
+    )
     t0 = time.perf_counter()
     recipe = None
     if precision in QUANT_FORMATS:
@@ -124,6 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", default=None, choices=sorted(RECIPES))
     p.add_argument("--out", default="runs/study_4bit.json")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--n-eval", type=int, default=400, help="held-out problems for greedy accuracy")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -132,7 +140,7 @@ def main(argv=None) -> int:
     from bitrl.engine.loop import build
     from bitrl.kernels.bench_stats import machine
 
-    cfg = load_config(PRESET)
+    cfg = load_config(PRESET, [f"task.n_eval={args.n_eval}"])
     policy, tokenizer, task = build(cfg)
     policy.eval()
     rng = random.Random(0)
@@ -142,6 +150,7 @@ def main(argv=None) -> int:
         "command": "python benchmarks/study_4bit.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),
         "torch": torch.__version__,
+        "n_eval": args.n_eval,
         "rows": [],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -169,8 +169,9 @@ class RolloutConfig(Section):
     fp8_layers: int = Field(0, ge=0)
     # GPTQ rounding of the FP4 weights (bitrl.quant.gptq): each column's rounding error moved onto the columns
     # not yet rounded, weighted by the layer's input Hessian, collected on the policy over gptq_prompts
-    # training prompts and the policy's own responses to them; re-run at every sync, free at run time.
-    gptq: bool = False
+    # training prompts and the policy's own responses to them; re-run at every sync, free at run time. "auto":
+    # on for mxfp4/nvfp4 copies of a full fine-tune (it cuts SmolLM2's k3 3x), off with LoRA or data-parallel.
+    gptq: bool | Literal["auto"] = "auto"
     gptq_prompts: int = Field(64, ge=1)
     gptq_damp: float = Field(0.01, gt=0, lt=1)
     # Adaptive quantization noise: K stages over the run (sigma 0, then 1e-2 -> 1e-4); 0 disables it.
@@ -211,7 +212,7 @@ class RolloutConfig(Section):
             raise ValueError("rollout.aqn_stages must be 0 (off) or >= 2 (the first stage has no noise)")
         if isinstance(self.outlier_tau, float) and not self.outlier_tau > 0:
             raise ValueError(f"rollout.outlier_tau must be > 0, 'auto' or null, got {self.outlier_tau}")
-        if self.gptq and self.precision not in ("mxfp4", "nvfp4"):
+        if self.gptq is True and self.precision not in ("mxfp4", "nvfp4"):
             raise ValueError(
                 "rollout.gptq rounds FP4 weights: set rollout.precision to mxfp4 or nvfp4, "
                 f"not {self.precision}"
@@ -236,8 +237,20 @@ class RolloutConfig(Section):
             if refused:
                 raise ValueError(f"rollout.aligned: {reason}")
 
-    def quant_recipe(self, fmt: str, fp8_layers: tuple[str, ...] = ()):
-        """The bitrl.quant.QuantRecipe of a rollout copy in weight format `fmt`, every "auto" resolved."""
+    def _gptq(self, fmt: str, rotation, possible: bool) -> bool:
+        if self.gptq == "auto":
+            return possible and fmt in ("mxfp4", "nvfp4") and rotation is None
+        if self.gptq and not possible:
+            raise ValueError(
+                "rollout.gptq: not with LoRA or data-parallel runs (their syncs do not calibrate)"
+            )
+        return self.gptq
+
+    def quant_recipe(self, fmt: str, fp8_layers: tuple[str, ...] = (), gptq_possible: bool = True):
+        """The bitrl.quant.QuantRecipe of a rollout copy in weight format `fmt`, every "auto" resolved.
+
+        gptq_possible: False where the run cannot calibrate the copy (LoRA, data-parallel): "auto" is off
+        there, an explicit rollout.gptq=true an error."""
         from bitrl.quant.recipe import recipe_for
         from bitrl.quant.rotation import Rotation
 
@@ -249,7 +262,7 @@ class RolloutConfig(Section):
             outlier_tau=self.outlier_tau,
             rotation=rotation,
             fp8_layers=fp8_layers,
-            gptq=self.gptq,
+            gptq=self._gptq(fmt, rotation, gptq_possible),
             gptq_damp=self.gptq_damp,
         )
 

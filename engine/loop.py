@@ -134,7 +134,7 @@ def prepare_policy(policy, cfg: Config):
     base_recipe = None
     if cfg.model.lora.base_precision != "full":  # the rollout's scale and outlier settings, weights only
         fmt = BASE_FORMATS[cfg.model.lora.base_precision]
-        base_recipe = replace(cfg.rollout.quant_recipe(fmt), act=None)
+        base_recipe = replace(cfg.rollout.quant_recipe(fmt, gptq_possible=False), act=None)
     return apply_lora(policy, cfg.model.lora, base_recipe)
 
 
@@ -190,8 +190,6 @@ def sensitive_layers(policy, tokenizer, fmt: str, cfg: Config, log=print) -> tup
 def gptq_calibration(policy, tokenizer, task, cfg: Config, log=print) -> list[torch.Tensor]:
     """rollout.gptq's calibration: rollout.gptq_prompts training prompts (their own seeded draw, which leaves
     the run's prompt stream alone), each with the policy's own sampled response."""
-    if cfg.model.lora.rank:
-        raise ValueError("rollout.gptq: not with LoRA (the copy's sync merges adapters without calibration)")
     rng = random.Random(f"gptq-{cfg.seed}")
     prompts = encode_prompts(tokenizer, [task.sample(rng) for _ in range(cfg.rollout.gptq_prompts)], cfg.task)
     return policy_sequences(
@@ -265,10 +263,9 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
     if precision in QUANT_FORMATS:
         if ctx.enabled and cfg.rollout.rotation != "none":
             raise ValueError("rollout.rotation: not with data-parallel runs (their sync does not rotate)")
-        if ctx.enabled and cfg.rollout.gptq:
-            raise ValueError("rollout.gptq: not with data-parallel runs (their sync reads sharded weights)")
         fmt = QUANT_FORMATS[precision]
-        recipe = cfg.rollout.quant_recipe(fmt, sensitive_layers(policy, tokenizer, fmt, cfg, log))
+        fp8 = sensitive_layers(policy, tokenizer, fmt, cfg, log)
+        recipe = cfg.rollout.quant_recipe(fmt, fp8, gptq_possible=not (ctx.enabled or cfg.model.lora.rank))
     calibration = gptq_calibration(policy, tokenizer, task, cfg, log) if recipe and recipe.gptq else None
     rollout_model = make_rollout_model(policy, precision, recipe, calibration)
     options = EngineOptions.from_config(cfg.rollout)  # cache dtype, batch rows, compiled step

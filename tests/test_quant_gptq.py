@@ -237,6 +237,13 @@ def test_the_gptq_recipe_refuses_what_it_does_not_cover():
         True,
         0.05,
     )
+    with pytest.raises(ValueError, match="LoRA or data-parallel"):
+        cfg.rollout.quant_recipe("nvfp4", gptq_possible=False)
+    auto = load_config(None, []).rollout  # "auto": on for the FP4 copies that can be calibrated
+    got = [auto.quant_recipe(f).gptq for f in ("nvfp4", "mxfp4", "mxfp8", "fp8_e4m3")]
+    assert got == [True, True, False, False]
+    assert not auto.quant_recipe("nvfp4", gptq_possible=False).gptq
+    assert not load_config(None, ["rollout.rotation=inputs"]).rollout.quant_recipe("nvfp4").gptq
 
 
 def test_a_quant_linear_rounds_by_gptq_when_given_a_hessian():

@@ -48,10 +48,10 @@ def apply_lora(policy: nn.Module, cfg, base_recipe=None) -> nn.Module:
 
         fmt = BASE_FORMATS[cfg.base_precision]
         recipe = base_recipe or recipe_for(fmt, act=None)
-        if recipe.fmt != fmt or recipe.rotation is not None or recipe.fp8_layers:
+        if recipe.fmt != fmt or recipe.rotation is not None or recipe.fp8_layers or recipe.gptq:
             raise ValueError(
                 f"model.lora.base_precision={cfg.base_precision}: the base recipe must be {fmt} weights "
-                "without rotation or fp8 layers"
+                "without rotation, fp8 layers or GPTQ"
             )
         quantize_lora_base_(policy, recipe)
     return policy
