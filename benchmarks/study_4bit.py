@@ -53,6 +53,10 @@ RECIPES = {
     "mxfp4-fp8x30": ("mxfp4", ["rollout.fp8_layers=30", "rollout.outlier_tau=8", RTN]),
     "mxfp4-gptq": ("mxfp4", ["rollout.outlier_tau=null", "rollout.gptq=true"]),
     "mxfp4-tau8-gptq": ("mxfp4", ["rollout.outlier_tau=8", "rollout.gptq=true"]),
+    "mxfp4-tau8-gptq-damp0.1": (
+        "mxfp4",
+        ["rollout.outlier_tau=8", "rollout.gptq=true", "rollout.gptq_damp=0.1"],
+    ),
 }
 
 
@@ -132,6 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/study_4bit.json")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--n-eval", type=int, default=400, help="held-out problems for greedy accuracy")
+    p.add_argument("--merge", action="store_true", help="keep --out's other rows (same machine and n_eval)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -153,9 +158,17 @@ def main(argv=None) -> int:
         "n_eval": args.n_eval,
         "rows": [],
     }
+    names = args.only or list(RECIPES)
+    if args.merge and Path(args.out).exists():
+        old = json.loads(Path(args.out).read_text())
+        if (old["machine"], old["n_eval"]) != (out["machine"], out["n_eval"]):
+            raise SystemExit(f"--merge: {args.out} was measured on another machine or n_eval")
+        out["command"] = old["command"] + "; " + out["command"]
+        out["rows"] = [r for r in old["rows"] if r["recipe"] not in names]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    for name in args.only or RECIPES:  # written after every recipe: a run cut short keeps what it measured
+    for name in names:  # written after every recipe: a run cut short keeps what it measured
         out["rows"].append(measure(name, policy, tokenizer, task, cfg, prompts))
+        out["rows"].sort(key=lambda r: list(RECIPES).index(r["recipe"]))
         Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
     return 0

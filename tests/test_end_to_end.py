@@ -57,7 +57,9 @@ def test_mxfp4_rollouts_with_icepop_stay_finite_and_learn(tmp_path, monkeypatch)
 
     monkeypatch.chdir(tmp_path)
     args = ["train", "name=mx", "task.n_eval=200", "steps=40", "eval_every=20", "checkpoint_every=40"]
-    assert main([*args, "rollout.precision=mxfp4", "train.loss.correction=icepop"]) == 0
+    # round-to-nearest weights: GPTQ (the default) leaves too little mismatch here to test IcePop against
+    args += ["rollout.precision=mxfp4", "rollout.gptq=false", "train.loss.correction=icepop"]
+    assert main(args) == 0
     records = [json.loads(line) for line in (tmp_path / "runs/mx/metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["step"] > 0]
     evals = [r["accuracy"] for r in records if "accuracy" in r]
