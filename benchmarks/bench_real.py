@@ -25,7 +25,14 @@ from pathlib import Path
 PRECISIONS = ["full", "fp8", "nvfp4", "mxfp4"]
 # Registered names (kernels/policy_loss/corrections.py, CORRECTIONS), each with its usual defaults.
 CORRECTIONS = ["none", "tis", "seq-mis", "icepop", "ais"]
-STEP_KEYS = ["mismatch_k3_kl", "mismatch_ess", "mismatch_chi2_token", "reward_mean", "step_time_s"]
+STEP_KEYS = [
+    "mismatch_k3_kl",
+    "mismatch_ess",
+    "mismatch_chi2_token",
+    "reward_mean",
+    "flat_group_frac",
+    "step_time_s",
+]
 
 
 def run_one(spec: dict) -> dict:

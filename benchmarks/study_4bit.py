@@ -32,6 +32,14 @@ PRESET = Path(__file__).resolve().parent.parent / "engine" / "presets" / "smollm
 # name -> (rollout.precision, rollout.* overrides), every remedy spelled out so that a row means the same
 # whatever the defaults are; "legacy" is what bitrl used before the recipe defaults (floor scales, no GPTQ)
 RTN = "rollout.gptq=false"
+
+
+def gptq(damp: float, prompts: int = 64) -> list[str]:
+    """GPTQ at Hessian damping ``damp`` (0.01 the usual choice in the GPTQ literature, 0.1 bitrl's default)
+    over ``prompts`` calibration prompts."""
+    return ["rollout.gptq=true", f"rollout.gptq_damp={damp}", f"rollout.gptq_prompts={prompts}"]
+
+
 RECIPES = {
     "full": ("full", []),
     "fp8": ("fp8", []),
@@ -41,22 +49,23 @@ RECIPES = {
     "nvfp4-rot-inputs": ("nvfp4", ["rollout.rotation=inputs", RTN]),
     "nvfp4-fp8x10": ("nvfp4", ["rollout.fp8_layers=10", RTN]),
     "nvfp4-fp8x30": ("nvfp4", ["rollout.fp8_layers=30", RTN]),
-    "nvfp4-gptq": ("nvfp4", ["rollout.gptq=true"]),
-    "nvfp4-gptq-damp0.1": ("nvfp4", ["rollout.gptq=true", "rollout.gptq_damp=0.1"]),
-    "nvfp4-gptq-256": ("nvfp4", ["rollout.gptq=true", "rollout.gptq_prompts=256"]),
-    "nvfp4-tau4-gptq": ("nvfp4", ["rollout.outlier_tau=4", "rollout.gptq=true"]),
+    "nvfp4-gptq": ("nvfp4", gptq(0.01)),
+    "nvfp4-gptq-damp0.1": ("nvfp4", gptq(0.1)),
+    "nvfp4-gptq-256": ("nvfp4", gptq(0.01, 256)),
+    "nvfp4-tau4-gptq": ("nvfp4", ["rollout.outlier_tau=4", *gptq(0.01)]),
+    "nvfp4-tau4-gptq-damp0.1": ("nvfp4", ["rollout.outlier_tau=4", *gptq(0.1)]),
     "mxfp4-legacy": ("mxfp4", ["rollout.scale_mode=rceil", "rollout.outlier_tau=null", RTN]),
     "mxfp4-mse": ("mxfp4", ["rollout.outlier_tau=null", RTN]),
     "mxfp4-tau8": ("mxfp4", ["rollout.outlier_tau=8", RTN]),
     "mxfp4-rot-inputs": ("mxfp4", ["rollout.rotation=inputs", "rollout.outlier_tau=null", RTN]),
     "mxfp4-fp8x10": ("mxfp4", ["rollout.fp8_layers=10", "rollout.outlier_tau=8", RTN]),
     "mxfp4-fp8x30": ("mxfp4", ["rollout.fp8_layers=30", "rollout.outlier_tau=8", RTN]),
-    "mxfp4-gptq": ("mxfp4", ["rollout.outlier_tau=null", "rollout.gptq=true"]),
-    "mxfp4-tau8-gptq": ("mxfp4", ["rollout.outlier_tau=8", "rollout.gptq=true"]),
-    "mxfp4-tau8-gptq-damp0.1": (
-        "mxfp4",
-        ["rollout.outlier_tau=8", "rollout.gptq=true", "rollout.gptq_damp=0.1"],
-    ),
+    "mxfp4-gptq": ("mxfp4", ["rollout.outlier_tau=null", *gptq(0.01)]),
+    "mxfp4-tau8-gptq": ("mxfp4", ["rollout.outlier_tau=8", *gptq(0.01)]),
+    "mxfp4-tau8-gptq-damp0.1": ("mxfp4", ["rollout.outlier_tau=8", *gptq(0.1)]),
+    "mxfp4-tau8-gptq-damp0.1-256": ("mxfp4", ["rollout.outlier_tau=8", *gptq(0.1, 256)]),
+    "mxfp4-tau4-gptq-damp0.1": ("mxfp4", ["rollout.outlier_tau=4", *gptq(0.1)]),
+    "mxfp4-fp8x10-gptq-damp0.1": ("mxfp4", ["rollout.fp8_layers=10", "rollout.outlier_tau=8", *gptq(0.1)]),
 }
 
 

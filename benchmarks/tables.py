@@ -894,9 +894,10 @@ def table_study_4bit() -> str:
                 settings,
                 f"{r['k3_per_token']:.4f}",
                 f"{r['ess']:.3f}",
-                f"{100 * r['greedy_accuracy']:.0f}%",
-                f"{100 * (r['greedy_accuracy'] - full['greedy_accuracy']):+.0f}",
+                f"{100 * r['greedy_accuracy']:.1f}%",
+                f"{100 * (r['greedy_accuracy'] - full['greedy_accuracy']):+.1f}",
                 bits,
+                f"{r['build_seconds']:.0f}",
             ]
         )
     head = [
@@ -907,8 +908,9 @@ def table_study_4bit() -> str:
         "greedy accuracy",
         "vs full",
         "bits / weight",
+        "copy built in (s)",
     ]
-    return md(head, out, "llrrrrr") + source("study_4bit_smollm2.json")
+    return md(head, out, "llrrrrrr") + source("study_4bit_smollm2.json")
 
 
 def _curve(accuracy: list) -> str:

@@ -191,7 +191,8 @@ def gptq_calibration(policy, tokenizer, task, cfg: Config, log=print) -> list[to
     """rollout.gptq's calibration: rollout.gptq_prompts training prompts (their own seeded draw, which leaves
     the run's prompt stream alone), each with the policy's own sampled response."""
     rng = random.Random(f"gptq-{cfg.seed}")
-    prompts = encode_prompts(tokenizer, [task.sample(rng) for _ in range(cfg.rollout.gptq_prompts)], cfg.task)
+    problems = [task.sample(rng) for _ in range(cfg.rollout.gptq_prompt_count())]
+    prompts = encode_prompts(tokenizer, problems, cfg.task)
     return policy_sequences(
         policy, tokenizer, prompts, cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.seed, log
     )

@@ -246,7 +246,7 @@ def gptq_calibration(policy, tokenizer, args, recipe_cfg, all_prompts, max_new, 
     from bitrl.engine.loop import policy_sequences
     from bitrl.engine.tasks import Problem
 
-    count = recipe_cfg.rollout.gptq_prompts
+    count = recipe_cfg.rollout.gptq_prompt_count()
     texts = all_prompts[args.num_prompts :][:count]
     if not texts:
         log("rollout.gptq: no prompts beyond the measured ones; calibrating on the measured prompts")
@@ -283,7 +283,7 @@ def run(args) -> int:
         warm_start(policy, tokenizer, task, cfg, log=lambda msg: print(msg, file=sys.stderr))
         rng = random.Random(args.seed)
         # the measured prompts, then as many more for rollout.gptq's calibration
-        extra = recipe_cfg.rollout.gptq_prompts if recipe_cfg.rollout.gptq else 0
+        extra = recipe_cfg.rollout.gptq_prompt_count() if recipe_cfg.rollout.gptq else 0
         prompts = [task.sample(rng).prompt for _ in range(args.num_prompts + extra)]
         max_new = args.max_new_tokens or cfg.rollout.max_new_tokens
     else:

@@ -136,7 +136,7 @@ def gptq_quantize(
     fmt: str,
     *,
     keep: torch.Tensor | None = None,
-    damp: float = 0.01,
+    damp: float = 0.1,
     **quant_kwargs,
 ) -> tuple[QuantizedTensor, torch.Tensor]:
     """GPTQ-quantize ``weight`` [out, in] (float) to the FP4 format ``fmt`` ("mxfp4" or "nvfp4").
@@ -162,7 +162,7 @@ def gptq_quantize_batched(
     fmt: str,
     *,
     keeps: list[list[torch.Tensor | None] | None] | None = None,
-    damp: float = 0.01,
+    damp: float = 0.1,
     **quant_kwargs,
 ) -> list[list[tuple[QuantizedTensor, torch.Tensor]]]:
     """GPTQ of B independent problems in one column loop: ``groups[b]`` the weights [out_i, in] that read
@@ -276,7 +276,7 @@ def _block_scales(group: torch.Tensor, spec, gmax: torch.Tensor):
 
 @torch.no_grad()
 def gptq_requantize_(
-    qmodel: nn.Module, source: nn.Module, sequences: list[torch.Tensor], damp: float = 0.01
+    qmodel: nn.Module, source: nn.Module, sequences: list[torch.Tensor], damp: float = 0.1
 ) -> dict:
     """Re-round every FP4 QuantLinear of ``qmodel`` (bitrl.quant.quantize_model of a copy of ``source``)
     from ``source``'s current weights by GPTQ, on Hessians of ``source``'s own inputs over ``sequences``

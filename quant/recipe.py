@@ -46,7 +46,7 @@ class QuantRecipe:
     rotation: Rotation | None = None
     fp8_layers: tuple[str, ...] = ()
     gptq: bool = False
-    gptq_damp: float = 0.01
+    gptq_damp: float = 0.1
 
     def quant_kwargs(self) -> dict:
         from .formats import get_format
@@ -67,7 +67,7 @@ def recipe_for(
     rotation=None,
     fp8_layers=(),
     gptq=False,
-    gptq_damp=0.01,
+    gptq_damp=0.1,
 ) -> QuantRecipe:
     """The recipe with every "auto" resolved to the measured default for ``fmt`` (docs/low_precision.md):
     scale_mode "mse" for the block-scaled formats (free at run time), outlier_tau 8 for mxfp4 (0.05% of the

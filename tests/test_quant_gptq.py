@@ -72,12 +72,13 @@ def test_with_an_identity_hessian_gptq_is_round_to_nearest_bit_for_bit(fmt, mode
 
 
 @pytest.mark.parametrize("mode", ["floor", "mse"])
-def test_gptq_matches_the_column_by_column_reference(mode):
+@pytest.mark.parametrize("damp", [0.01, 0.1])
+def test_gptq_matches_the_column_by_column_reference(mode, damp):
     x = correlated_inputs(512, 96, seed=2)
     weight = torch.randn(16, 96, generator=torch.Generator().manual_seed(3)) * 0.05
     hessian = x.t() @ x / x.shape[0]
-    _, final = gptq_quantize(weight, hessian, "mxfp4", scale_mode=mode)
-    want = reference_gptq_mxfp4(weight, hessian, 0.01, mode).float()
+    _, final = gptq_quantize(weight, hessian, "mxfp4", scale_mode=mode, damp=damp)
+    want = reference_gptq_mxfp4(weight, hessian, damp, mode).float()
     # float32 against float64: a value at a rounding boundary may round the other way and move its
     # neighbours a little; nearly every code agrees and the output errors agree closely
     assert (final == want).float().mean() >= 0.97
