@@ -40,6 +40,7 @@ def run_one(spec: dict) -> dict:
     from bitrl.engine.config import load_config
     from bitrl.engine.loop import run
     from bitrl.engine.train_cmd import preset_path
+    from bitrl.kernels.bench_stats import machine
 
     t0 = time.perf_counter()
     cfg = load_config(preset_path(spec["preset"]), spec["overrides"])
@@ -47,6 +48,7 @@ def run_one(spec: dict) -> dict:
     evals = [r for r in records if "accuracy" in r]
     return {
         **spec,
+        "machine": machine(),
         "wall_s": round(time.perf_counter() - t0, 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "accuracy_start": evals[0]["accuracy"],
@@ -108,6 +110,9 @@ def main(argv=None) -> int:
                 print(f"{name}: already in {out}", flush=True)
                 continue
             spec = {"preset": args.preset, "precision": precision, "correction": correction, "seed": seed}
+            spec["command"] = "python benchmarks/bench_real.py " + " ".join(
+                sys.argv[1:] if argv is None else argv
+            )
             spec["overrides"] = overrides
             done = subprocess.run(
                 [sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True

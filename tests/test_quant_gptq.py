@@ -233,6 +233,17 @@ def test_the_gptq_recipe_refuses_what_it_does_not_cover():
         load_config(None, ["rollout.gptq=true", "rollout.precision=bf16"])
     with pytest.raises(ValueError, match="gptq_damp"):
         load_config(None, ["rollout.gptq_damp=0"])
+    with pytest.raises(ValueError, match="gptq_prompts"):
+        load_config(None, ["rollout.gptq_prompts=0"])
+    prompts = {
+        p: load_config(None, [f"rollout.precision={p}"]).rollout.gptq_prompt_count()
+        for p in ("nvfp4", "mxfp4")
+    }
+    assert prompts == {"nvfp4": 64, "mxfp4": 256}  # "auto": the counts the study measured best
+    assert (
+        load_config(None, ["rollout.precision=mxfp4", "rollout.gptq_prompts=8"]).rollout.gptq_prompt_count()
+        == 8
+    )
     cfg = load_config(None, ["rollout.gptq=true", "rollout.precision=nvfp4", "rollout.gptq_damp=0.05"])
     assert (cfg.rollout.quant_recipe("nvfp4").gptq, cfg.rollout.quant_recipe("nvfp4").gptq_damp) == (
         True,
