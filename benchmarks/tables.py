@@ -913,6 +913,46 @@ def table_study_4bit(name: str = "study_4bit_smollm2.json") -> str:
     return md(head, out, "llrrrrrr") + source(name)
 
 
+def table_cost_4bit() -> str:
+    """Each 4-bit remedy's modelled GPU cost (benchmarks/model_4bit_cost.py)."""
+    name = "model_4bit_cost.json"
+    obj = load(name)
+    out = []
+    for r in obj["remedies"]:
+        out.append(
+            [
+                r["remedy"],
+                f"{r['bits_per_weight'][1]:.2f} → {r['bits_per_weight'][0]:.2f}",
+                f"{r['k3'][1]:.3f} → {r['k3'][0]:.3f}",
+                f"{1e6 * r['extra_per_decode_step_s']:.0f} µs ({100 * r['extra_fraction']:.0f}%)",
+                f"{100 * r['extra_bytes_fraction']:+.1f}%",
+            ]
+        )
+    head = [
+        "remedy",
+        "bits / weight",
+        "k3 / token",
+        "extra per decode step (of SmolLM2's)",
+        "extra bytes per step (weight-bound models)",
+    ]
+    sync = obj["gptq_per_sync"]
+    lines = [
+        f"GPTQ per sync with {n} calibration prompts: calibration rollout "
+        f"{1e3 * g['calibration_rollout_s']:.0f} ms, "
+        f"Hessians {g['hessian_tflop']:.1f} TFLOP ({1e3 * g['hessian_s']:.0f} ms), column loop "
+        f"{g['column_steps']} steps ({1e3 * g['column_loop_s']:.0f} ms): {1e3 * g['total_s']:.0f} ms"
+        for n, g in sync.items()
+    ]
+    note = (
+        f"\n\nModelled for {obj['gpu']['name']}, {obj['batch']} rows × {obj['context']} tokens of context; "
+        "the "
+        f"preset's whole rollout decodes in {1e3 * obj['preset_rollout_decode_s']:.0f} ms. "
+        + "; ".join(lines)
+        + "."
+    )
+    return md(head, out, "lrrrr") + note + source(name)
+
+
 def table_real_gptq() -> str:
     """RL on SmolLM2 with the default 4-bit recipes (GPTQ) against full precision, paired by seed."""
     name = "bench_real_gptq_10steps.json"
@@ -1113,6 +1153,7 @@ DESCRIPTIONS = {
     "study_mismatch_200steps.json": "low-precision rollouts and corrections on the demo, 200 steps",
     "study_4bit_smollm2.json": "4-bit rollout recipes on SmolLM2-135M before training: mismatch, accuracy",
     "study_4bit_demo.json": "the same on the demo's model",
+    "model_4bit_cost.json": "each 4-bit remedy's GPU cost, modelled from the study's bits and the shapes",
     "bench_real_gptq_10steps.json": "RL on SmolLM2-135M with the default (GPTQ) 4-bit recipes, 10 steps",
 }
 
@@ -1155,6 +1196,7 @@ TABLES: dict[str, tuple[str, Callable[[], str], tuple[str, ...]]] = {
         ("study_4bit_demo.json",),
     ),
     "real-gptq": ("low_precision.md", table_real_gptq, ("bench_real_gptq_10steps.json",)),
+    "cost-4bit": ("low_precision.md", table_cost_4bit, ("model_4bit_cost.json",)),
     "distributed-curves": ("scale_out.md", table_distributed_curves, ("bench_distributed_curves.json",)),
     "distributed-demo": ("scale_out.md", table_distributed_demo, ("bench_distributed_demo.json",)),
     "distributed-smollm2": ("scale_out.md", table_distributed_smollm2, ("bench_distributed_smollm2.json",)),
