@@ -267,7 +267,21 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
         fmt = QUANT_FORMATS[precision]
         fp8 = sensitive_layers(policy, tokenizer, fmt, cfg, log)
         recipe = cfg.rollout.quant_recipe(fmt, fp8, gptq_possible=not (ctx.enabled or cfg.model.lora.rank))
-    calibration = gptq_calibration(policy, tokenizer, task, cfg, log) if recipe and recipe.gptq else None
+    state = load_checkpoint(run_dir) if resume and not ctx.enabled else None
+    calibration = None
+    if recipe and recipe.gptq:
+        # A resumed run rounds on the sequences its first build drew (the checkpoint keeps them): new ones,
+        # drawn by the policy before its weights are loaded, would round the copy otherwise than the
+        # uninterrupted run does. The copy built here is rounded again once they are loaded.
+        if state is None:
+            calibration = gptq_calibration(policy, tokenizer, task, cfg, log)
+        elif "gptq_calibration" in state:
+            calibration = state["gptq_calibration"]
+        else:
+            raise ConfigError(
+                f"{run_dir}: its checkpoint holds no GPTQ calibration (written with rollout.gptq off or "
+                "before it existed); set rollout.gptq=false in its config.json to resume it as it ran"
+            )
     rollout_model = make_rollout_model(policy, precision, recipe, calibration)
     options = EngineOptions.from_config(cfg.rollout)  # cache dtype, batch rows, compiled step
     sampling = Sampling(
@@ -319,8 +333,6 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
 
     if resume and ctx.enabled:  # sharded: model and optimizer shards loaded in place, the rest per rank
         state = load_sharded_checkpoint(run_dir, policy, trainer.optimizer)
-    elif resume:
-        state = load_checkpoint(run_dir)
     if resume:
         if not ctx.enabled:
             load_policy_state(policy, state["policy"])
@@ -427,6 +439,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
                 "records": records,
                 "config": cfg.model_dump(),
                 **({"reuse": reuse.state_dict()} if reuse is not None else {}),
+                **({"gptq_calibration": calibration} if calibration is not None else {}),
             }
             if ctx.enabled:  # policy and optimizer as shards; the rest is this rank's own state
                 save_sharded_checkpoint(run_dir, step + 1, policy, trainer.optimizer, state)

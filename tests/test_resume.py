@@ -1,5 +1,6 @@
 """A run killed with SIGKILL and resumed reaches the same metrics at the same step as an uninterrupted run,
-with and without speculative rollout reuse, and with LoRA adapters (checkpoints hold only the adapters)."""
+with and without speculative rollout reuse, with LoRA adapters (checkpoints hold only the adapters), and with
+GPTQ-rounded 4-bit rollouts."""
 
 import json
 import os
@@ -61,6 +62,18 @@ LORA = [
     "steps=12",
 ]
 
+# GPTQ-rounded NVFP4 rollouts: the calibration sequences travel in the checkpoint, so the resumed copy is
+# rounded on the same ones as the uninterrupted run's (a fresh draw would round it otherwise).
+GPTQ = [
+    *TINY,
+    "rollout.precision=nvfp4",
+    "rollout.gptq=true",
+    "rollout.gptq_prompts=8",
+    "train.loss.correction=tis",
+    "train.lr=1e-3",
+    "steps=12",
+]
+
 
 def _bitrl(args, env):
     return subprocess.Popen(
@@ -85,7 +98,7 @@ def complete_records(metrics: Path) -> list[dict]:
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
-@pytest.mark.parametrize("overrides", [PLAIN, REUSE, LORA], ids=["plain", "reuse", "lora"])
+@pytest.mark.parametrize("overrides", [PLAIN, REUSE, LORA, GPTQ], ids=["plain", "reuse", "lora", "gptq"])
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, overrides):
     steps = int(next(o for o in overrides if o.startswith("steps=")).split("=")[1])
     env = dict(os.environ, BITRL_CACHE=str(tmp_path / "cache"))
@@ -118,6 +131,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, overrides):
         assert saved and all("lora_" in name for name in saved)
         assert len({r["trainable_params"] for r in a[1:]}) == 1
         assert a[-1]["entropy"] != a[1]["entropy"]  # the adapters moved the policy
+    if overrides is GPTQ:
+        assert all(r["mismatch_k3_kl"] > 0 for r in a[1:])  # a rounded copy, not the policy itself
     if overrides is REUSE:
         later = [r for r in a if r["step"] > 2]  # from the second epoch on, every prompt has a draft
         assert all(r["reuse_hit_rate"] == 1.0 for r in later)
