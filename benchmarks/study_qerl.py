@@ -4,6 +4,7 @@ seed: held-out greedy accuracy (before training and over the steps), reward, fla
 
     python benchmarks/study_qerl.py --seeds 0 --steps 10 --out benchmarks/results/study_qerl_smollm2.json
     python benchmarks/study_qerl.py --arms lora-full qerl-nvfp4 --seeds 0 1     # a subset
+    python benchmarks/study_qerl.py --arms qerl-nvfp4-gptq --seeds 0 1 --merge  # runs added to --out
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ ARMS = {
     "qerl-nvfp4": [],
     "qerl-mxfp4": ["model.lora.base_precision=mxfp4"],
     "qerl-nvfp4-no-aqn": ["rollout.aqn_stages=0"],
+    # the base GPTQ-rounded once, on the warm policy's own samples (64 prompts for nvfp4, 256 for mxfp4)
+    "qerl-nvfp4-gptq": ["rollout.gptq=true"],
+    "qerl-mxfp4-gptq": ["model.lora.base_precision=mxfp4", "rollout.gptq=true"],
 }
 KEYS = ("reward_mean", "flat_group_frac", "mismatch_k3_kl", "mismatch_max_abs_dp", "aqn_sigma", "step_time_s")
 
@@ -28,6 +32,7 @@ def run_one(arm: str, seed: int, steps: int, out: Path) -> dict:
     from bitrl.engine.config import load_config
     from bitrl.engine.loop import run
     from bitrl.engine.train_cmd import preset_path
+    from bitrl.kernels.bench_stats import machine
 
     name = f"{arm}-s{seed}"
     overrides = [f"name={name}", f"out_dir={out}", f"seed={seed}", f"steps={steps}", "eval_every=5"]
@@ -39,6 +44,7 @@ def run_one(arm: str, seed: int, steps: int, out: Path) -> dict:
         "seed": seed,
         "overrides": ARMS[arm],
         "wall_s": time.perf_counter() - start,
+        "machine": machine(),
         "per_step": [{k: r.get(k) for k in KEYS} for r in rows if "reward_mean" in r],
         "accuracy": [(r["step"], r["accuracy"]) for r in rows if "accuracy" in r],
     }
@@ -51,18 +57,27 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--runs", default="runs/study_qerl")
     p.add_argument("--out", default="runs/study_qerl.json")
+    p.add_argument("--merge", action="store_true", help="add the runs to --out's (each keeps its machine)")
     args = p.parse_args(argv)
     from bitrl.kernels.bench_stats import machine
 
-    out = {
-        "study": "QeRL (LoRA on a shared 4-bit base, AQN on both) against full-precision LoRA, SmolLM2-135M",
-        "command": " ".join(["python benchmarks/study_qerl.py", *(argv or sys.argv[1:])]),
-        "machine": machine(),
-        "runs": [],
-    }
+    command = " ".join(["python benchmarks/study_qerl.py", *(argv or sys.argv[1:])])
+    if args.merge and Path(args.out).exists():
+        out = json.loads(Path(args.out).read_text())
+        done = {(r["arm"], r["seed"]) for r in out["runs"]}
+        if any((arm, seed) in done for arm in args.arms for seed in args.seeds):
+            raise SystemExit(f"{args.out} already holds one of these runs; leave it out of --arms/--seeds")
+    else:
+        out = {
+            "study": "QeRL (LoRA on a shared 4-bit base, AQN on both) against full-precision LoRA, "
+            "SmolLM2-135M",
+            "command": command,
+            "machine": machine(),
+            "runs": [],
+        }
     for seed in args.seeds:
         for arm in args.arms:
-            out["runs"].append(run_one(arm, seed, args.steps, Path(args.runs)))
+            out["runs"].append({**run_one(arm, seed, args.steps, Path(args.runs)), "command": command})
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(out, indent=1))
             print(arm, seed, json.dumps(out["runs"][-1]["accuracy"]), flush=True)

@@ -968,7 +968,7 @@ def table_real_gptq() -> str:
         ratios = [w / base_reward[r["seed"]] for w, r in zip(rewards, rs)]
         flat = [statistics.fmean(t["flat_group_frac"] for t in r["steps"]) for r in rs]
         k3 = [statistics.fmean(t["mismatch_k3_kl"] for t in r["steps"]) for r in rs]
-        se = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else float("nan")
+        se = f" ± {statistics.stdev(gaps) / len(gaps) ** 0.5:.1f}" if len(gaps) > 1 else ""
         out.append(
             [
                 *cell,
@@ -976,8 +976,7 @@ def table_real_gptq() -> str:
                 " / ".join(f"{100 * r['accuracy_start']:.0f}→{100 * r['accuracy_end']:.0f}" for r in rs),
                 ""
                 if full
-                else " / ".join(f"{g:+.0f}" for g in gaps)
-                + f" (mean {statistics.fmean(gaps):+.1f} ± {se:.1f})",
+                else " / ".join(f"{g:+.0f}" for g in gaps) + f" (mean {statistics.fmean(gaps):+.1f}{se})",
                 " / ".join(f"{100 * w:.1f}%" for w in rewards)
                 + ("" if full else f" ({statistics.fmean(ratios):.2f}× full)"),
                 " / ".join(f"{f:.2f}" for f in flat),

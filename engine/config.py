@@ -170,7 +170,8 @@ class RolloutConfig(Section):
     # GPTQ rounding of the FP4 weights (bitrl.quant.gptq): each column's rounding error moved onto the columns
     # not yet rounded, weighted by the layer's input Hessian, collected on the policy over gptq_prompts
     # training prompts and the policy's own responses to them; re-run at every sync, free at run time. "auto":
-    # on for mxfp4/nvfp4 copies of a full fine-tune (SmolLM2's k3 2.7-4x lower), off with LoRA or DDP.
+    # on for mxfp4/nvfp4 copies of a full fine-tune (SmolLM2's k3 2.7-4x lower), off with LoRA or DDP. In
+    # a QeRL run (model.lora.base_precision) true rounds the shared base instead, once, before training.
     gptq: bool | Literal["auto"] = "auto"
     # "auto": 64, and 256 for mxfp4 (its k3 0.203 -> 0.161 on SmolLM2; nvfp4 meets its goal at 64). The
     # calibration is one batch of rollouts from the policy per sync: cheap on a GPU, not on a CPU.
@@ -216,11 +217,6 @@ class RolloutConfig(Section):
             raise ValueError("rollout.aqn_stages must be 0 (off) or >= 2 (the first stage has no noise)")
         if isinstance(self.outlier_tau, float) and not self.outlier_tau > 0:
             raise ValueError(f"rollout.outlier_tau must be > 0, 'auto' or null, got {self.outlier_tau}")
-        if self.gptq is True and self.precision not in ("mxfp4", "nvfp4"):
-            raise ValueError(
-                "rollout.gptq rounds FP4 weights: set rollout.precision to mxfp4 or nvfp4, "
-                f"not {self.precision}"
-            )
         if self.rotation_block & (self.rotation_block - 1):
             raise ValueError(f"rollout.rotation_block must be a power of two, got {self.rotation_block}")
         if self.aligned:
@@ -248,18 +244,20 @@ class RolloutConfig(Section):
             raise ValueError(f"rollout.gptq_prompts must be >= 1 or auto, got {v}")
         return v
 
-    def gptq_prompt_count(self) -> int:
-        """rollout.gptq_prompts with "auto" resolved for rollout.precision."""
+    def gptq_prompt_count(self, precision: str | None = None) -> int:
+        """rollout.gptq_prompts with "auto" resolved for the rounded weights' precision (default:
+        rollout.precision; a QeRL run passes model.lora.base_precision)."""
         if self.gptq_prompts != "auto":
             return self.gptq_prompts
-        return 256 if self.precision == "mxfp4" else 64
+        return 256 if (precision or self.precision) == "mxfp4" else 64
 
     def _gptq(self, fmt: str, rotation, possible: bool) -> bool:
         if self.gptq == "auto":
             return possible and fmt in ("mxfp4", "nvfp4") and rotation is None
         if self.gptq and not possible:
             raise ValueError(
-                "rollout.gptq: not with LoRA or data-parallel runs (their syncs do not calibrate)"
+                "rollout.gptq: not with data-parallel runs, nor with LoRA on a full-precision base "
+                "(their syncs do not calibrate)"
             )
         return self.gptq
 
@@ -501,6 +499,18 @@ class Config(Section):
         if self.rollout.aqn_target == "policy" and not self.model.lora.rank:
             raise ValueError(
                 "rollout.aqn_target=policy: needs LoRA (frozen RMSNorm weights); set model.lora.rank"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _gptq_rounds_fp4(self):
+        fp4 = ("mxfp4", "nvfp4")
+        if self.rollout.gptq is True and not (
+            self.rollout.precision in fp4 or (self.model.lora.rank and self.model.lora.base_precision in fp4)
+        ):
+            raise ValueError(
+                "rollout.gptq rounds FP4 weights: set rollout.precision (or, with LoRA, "
+                f"model.lora.base_precision) to mxfp4 or nvfp4, not {self.rollout.precision}"
             )
         return self
 

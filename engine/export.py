@@ -34,7 +34,7 @@ def export_run(run_dir: str | Path, out: str | Path, log=print) -> Path:
     policy, tokenizer, task = build(cfg)
     if cfg.model.lora.rank:  # the adapters sit on the warm-started model (cached), as in training
         warm_start(policy, tokenizer, task, cfg, log=log)
-    policy = prepare_policy(policy, cfg)
+    policy = prepare_policy(policy, cfg, tokenizer, task, log)
     dtype = DTYPES[cfg.model.dtype]
     with torch.no_grad():
         for p in policy.parameters():  # the checkpoint holds fp32 master weights of what was trained

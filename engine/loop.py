@@ -127,15 +127,33 @@ def check_memory_plan(cfg: Config, prompt_tokens: int, force: bool = False, log=
     return plan
 
 
-def prepare_policy(policy, cfg: Config):
-    """The trained form of the policy: LoRA adapters (and a quantized frozen base) when model.lora asks."""
+def lora_base_recipe(cfg: Config, distributed: bool = False):
+    """The bitrl.quant.QuantRecipe of a QeRL run's frozen base (model.lora.base_precision): the rollout's
+    scale, outlier and GPTQ settings, weights only; None for a full-precision base. GPTQ only when
+    rollout.gptq=true ("auto" keeps round-to-nearest) and the run is not data-parallel (every rank would
+    round its own copy)."""
+    if not cfg.model.lora.rank or cfg.model.lora.base_precision == "full":
+        return None
+    fmt = BASE_FORMATS[cfg.model.lora.base_precision]
+    possible = cfg.rollout.gptq is True and not distributed
+    return replace(cfg.rollout.quant_recipe(fmt, gptq_possible=possible), act=None)
+
+
+def prepare_policy(policy, cfg: Config, tokenizer=None, task=None, log=print, distributed: bool = False):
+    """The trained form of the policy: LoRA adapters (and a quantized frozen base) when model.lora asks.
+
+    A GPTQ-rounded base (lora_base_recipe) is rounded on the policy's own samples of `task`'s prompts
+    (gptq_calibration): rebuilt from the same warm start, a resumed or exported run draws the same ones
+    and rounds the same bits, so the checkpoint keeps only the adapters."""
     if not cfg.model.lora.rank:
         return policy
-    base_recipe = None
-    if cfg.model.lora.base_precision != "full":  # the rollout's scale and outlier settings, weights only
-        fmt = BASE_FORMATS[cfg.model.lora.base_precision]
-        base_recipe = replace(cfg.rollout.quant_recipe(fmt, gptq_possible=False), act=None)
-    return apply_lora(policy, cfg.model.lora, base_recipe)
+    recipe = lora_base_recipe(cfg, distributed)
+    calibration = None
+    if recipe is not None and recipe.gptq:
+        if tokenizer is None or task is None:
+            raise ValueError("prepare_policy: a GPTQ-rounded LoRA base needs the tokenizer and the task")
+        calibration = gptq_calibration(policy, tokenizer, task, cfg, log)
+    return apply_lora(policy, cfg.model.lora, recipe, calibration)
 
 
 def rollout_precision(cfg: Config) -> str:
@@ -191,7 +209,8 @@ def gptq_calibration(policy, tokenizer, task, cfg: Config, log=print) -> list[to
     """rollout.gptq's calibration: rollout.gptq_prompts training prompts (their own seeded draw, which leaves
     the run's prompt stream alone), each with the policy's own sampled response."""
     rng = random.Random(f"gptq-{cfg.seed}")
-    problems = [task.sample(rng) for _ in range(cfg.rollout.gptq_prompt_count())]
+    rounded = cfg.model.lora.base_precision if cfg.model.lora.rank else cfg.rollout.precision
+    problems = [task.sample(rng) for _ in range(cfg.rollout.gptq_prompt_count(rounded))]
     prompts = encode_prompts(tokenizer, problems, cfg.task)
     return policy_sequences(
         policy, tokenizer, prompts, cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.seed, log
@@ -256,7 +275,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
         if ctx.is_main:
             warm_start(policy, tokenizer, task, cfg, log=log)
         broadcast_module_(policy)  # data-parallel: every rank starts from rank 0's weights
-    policy = prepare_policy(policy, cfg)
+    policy = prepare_policy(policy, cfg, tokenizer, task, log, ctx.enabled)
     # The rollout copy in its own precision (bf16, fp8, mxfp4, ...), synced after every update. Made before
     # the trainer, which shards the policy when data-parallel: every rank keeps a whole rollout copy.
     precision = rollout_precision(cfg)

@@ -202,6 +202,46 @@ def test_a_gptq_rollout_copy_is_closer_to_the_policy_and_syncs_like_a_fresh_one(
         assert torch.equal(rollout(ids).logits, fresh(ids).logits)
 
 
+@pytest.mark.parametrize("fmt,tau", [("nvfp4", None), ("mxfp4", 8.0)])
+def test_a_gptq_lora_base_holds_the_bits_of_a_gptq_copy_of_the_plain_model(fmt, tau):
+    from bitrl.engine.config import LoraConfig
+    from bitrl.quant.recipe import recipe_for
+    from bitrl.rollout.lora_merge import lora_layers
+    from bitrl.rollout.precision import make_rollout_model
+    from bitrl.train.lora import apply_lora
+
+    policy = tiny_llama()
+    calibration, held_out = sequences(64, seed=1), sequences(16, seed=2)
+    recipe = recipe_for(fmt, act=None, outlier_tau=tau, gptq=True)
+    plain = make_rollout_model(policy, fmt, recipe, calibration)  # GPTQ on the model without adapters
+    lora_cfg = LoraConfig(rank=4, alpha=8, base_precision=fmt)
+    lora = apply_lora(copy.deepcopy(policy), lora_cfg, recipe, calibration)
+    layers = lora_layers(lora)
+    assert len(layers) == 14
+    for name, layer in layers.items():  # the adapters do not reach the Hessians: the same bits
+        assert torch.equal(layer.base_layer.qdata, plain.get_submodule(name).qdata)
+        assert layer.base_layer.source_name is None
+    rtn = apply_lora(copy.deepcopy(policy), lora_cfg, recipe_for(fmt, act=None, outlier_tau=tau))
+    assert logit_error(lora, policy, held_out) < 0.9 * logit_error(rtn, policy, held_out)
+    with pytest.raises(ValueError, match="calibration"):
+        apply_lora(copy.deepcopy(policy), lora_cfg, recipe)
+
+
+def test_a_qerl_base_is_gptq_rounded_only_when_asked():
+    from bitrl.engine.config import load_config
+    from bitrl.engine.loop import lora_base_recipe
+
+    qerl = ["model.lora.rank=4", "model.lora.base_precision=mxfp4"]
+    assert not lora_base_recipe(load_config(None, qerl)).gptq  # "auto": round-to-nearest
+    asked = load_config(None, [*qerl, "rollout.gptq=true"])
+    assert lora_base_recipe(asked).gptq and lora_base_recipe(asked).act is None
+    assert asked.rollout.gptq_prompt_count(asked.model.lora.base_precision) == 256
+    with pytest.raises(ValueError, match="data-parallel"):
+        lora_base_recipe(asked, distributed=True)
+    with pytest.raises(ValueError, match="model.lora.base_precision"):
+        load_config(None, ["model.lora.rank=4", "model.lora.base_precision=fp8", "rollout.gptq=true"])
+
+
 def test_gptq_requantize_leaves_the_fp8_layers_alone():
     from bitrl.quant.recipe import recipe_for
     from bitrl.rollout.precision import make_rollout_model
@@ -249,7 +289,7 @@ def test_the_gptq_recipe_refuses_what_it_does_not_cover():
         True,
         0.05,
     )
-    with pytest.raises(ValueError, match="LoRA or data-parallel"):
+    with pytest.raises(ValueError, match="data-parallel"):
         cfg.rollout.quant_recipe("nvfp4", gptq_possible=False)
     auto = load_config(None, []).rollout  # "auto": on for the FP4 copies that can be calibrated
     got = [auto.quant_recipe(f).gptq for f in ("nvfp4", "mxfp4", "mxfp8", "fp8_e4m3")]

@@ -48,13 +48,16 @@ REUSE = [
     "steps=24",
 ]
 
-# LoRA on a QeRL-style MXFP4 base, micro-batched, with gradient checkpointing: the base is rebuilt from the
-# warm start (cached) and quantized again on resume; the checkpoint holds the adapters and the optimizer.
+# LoRA on a QeRL-style MXFP4 base, GPTQ-rounded, micro-batched, with gradient checkpointing: the base is
+# rebuilt from the warm start (cached), its calibration drawn and rounded again on resume; the checkpoint
+# holds the adapters and the optimizer.
 LORA = [
     *TINY,
     "model.lora.rank=4",
     "model.lora.alpha=16",
     "model.lora.base_precision=mxfp4",
+    "rollout.gptq=true",
+    "rollout.gptq_prompts=8",
     "train.micro_batch_tokens=40",
     "train.gradient_checkpointing=true",
     "train.lr=1e-2",

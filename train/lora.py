@@ -19,13 +19,14 @@ from bitrl.rollout.lora_merge import lora_layers
 BASE_FORMATS = {"fp8": "fp8_e4m3", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
 
 
-def apply_lora(policy: nn.Module, cfg, base_recipe=None) -> nn.Module:
+def apply_lora(policy: nn.Module, cfg, base_recipe=None, calibration=None) -> nn.Module:
     """Inject LoRA adapters into `policy` in place and freeze everything else; returns `policy`.
 
     cfg: a bitrl.engine.config.LoraConfig with rank > 0. Adapters start as a no-op (B = 0). With
     cfg.base_precision != "full" every adapted base layer is replaced by a weight-only QuantLinear, its
     scales and outlier fallback as `base_recipe` says (a bitrl.quant.QuantRecipe in that format; None: the
-    format's measured defaults, `recipe_for`).
+    format's measured defaults, `recipe_for`). A GPTQ base recipe rounds the base once, on Hessians of the
+    policy's inputs over `calibration` (int64 token ids [T] per sequence; bitrl.quant.gptq).
     """
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -48,25 +49,41 @@ def apply_lora(policy: nn.Module, cfg, base_recipe=None) -> nn.Module:
 
         fmt = BASE_FORMATS[cfg.base_precision]
         recipe = base_recipe or recipe_for(fmt, act=None)
-        if recipe.fmt != fmt or recipe.rotation is not None or recipe.fp8_layers or recipe.gptq:
+        if recipe.fmt != fmt or recipe.rotation is not None or recipe.fp8_layers:
             raise ValueError(
                 f"model.lora.base_precision={cfg.base_precision}: the base recipe must be {fmt} weights "
-                "without rotation, fp8 layers or GPTQ"
+                "without rotation or fp8 layers"
             )
-        quantize_lora_base_(policy, recipe)
+        quantize_lora_base_(policy, recipe, calibration)
     return policy
 
 
 @torch.no_grad()
-def quantize_lora_base_(policy: nn.Module, recipe) -> None:
+def quantize_lora_base_(policy: nn.Module, recipe, calibration=None) -> None:
     """Store every adapted layer's frozen base weight quantized as `recipe` (a bitrl.quant.QuantRecipe)
-    says: its format, scale selection and outlier fallback; weights only, activations untouched."""
+    says: its format, scale selection, outlier fallback and GPTQ rounding (on `calibration`, int64 ids [T]
+    per sequence); weights only, activations untouched."""
     from bitrl.quant import QuantLinear
+    from bitrl.quant.gptq import gptq_requantize_
 
-    for layer in lora_layers(policy).values():
+    if recipe.gptq and not calibration:
+        raise ValueError("model.lora.base_precision: a GPTQ base needs calibration sequences")
+    quantized = {}
+    for name, layer in lora_layers(policy).items():
         base = layer.base_layer
         if isinstance(base, QuantLinear):
             continue
         if not isinstance(base, nn.Linear):
             raise ValueError(f"model.lora.base_precision: cannot quantize a {type(base).__name__} base layer")
-        layer.base_layer = QuantLinear.from_linear(base, recipe.fmt, act=None, **recipe.quant_kwargs())
+        quantized[name] = QuantLinear.from_linear(base, recipe.fmt, act=None, **recipe.quant_kwargs())
+    if recipe.gptq and quantized:
+        # Rounded while the policy still holds its full-precision bases: the Hessians are of their inputs
+        # (the adapters start as a no-op, so the policy computes what the plain model does).
+        for name, q in quantized.items():
+            q.source_name = f"{name}.base_layer"
+        gptq_requantize_(nn.ModuleList(quantized.values()), policy, calibration, recipe.gptq_damp)
+        for q in quantized.values():
+            q.source_name = None
+    layers = lora_layers(policy)
+    for name, q in quantized.items():
+        layers[name].base_layer = q
