@@ -49,6 +49,7 @@ def run_one(spec: dict) -> dict:
     return {
         **spec,
         "machine": machine(),
+        "model_dtype": cfg.model.dtype,  # "auto" resolved on this machine: bf16 where the CPU has bf16 units
         "wall_s": round(time.perf_counter() - t0, 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "accuracy_start": evals[0]["accuracy"],

@@ -28,7 +28,7 @@ ARMS = {
 KEYS = ("reward_mean", "flat_group_frac", "mismatch_k3_kl", "mismatch_max_abs_dp", "aqn_sigma", "step_time_s")
 
 
-def run_one(arm: str, seed: int, steps: int, out: Path) -> dict:
+def run_one(arm: str, seed: int, steps: int, out: Path, extra: list[str] = ()) -> dict:
     from bitrl.engine.config import load_config
     from bitrl.engine.loop import run
     from bitrl.engine.train_cmd import preset_path
@@ -36,15 +36,17 @@ def run_one(arm: str, seed: int, steps: int, out: Path) -> dict:
 
     name = f"{arm}-s{seed}"
     overrides = [f"name={name}", f"out_dir={out}", f"seed={seed}", f"steps={steps}", "eval_every=5"]
-    overrides += [f"checkpoint_every={steps}", *ARMS[arm]]
+    overrides += [f"checkpoint_every={steps}", *ARMS[arm], *extra]
     start = time.perf_counter()
-    rows = run(load_config(preset_path("smollm2-qerl"), overrides), log=lambda *_: None, force=True)
+    cfg = load_config(preset_path("smollm2-qerl"), overrides)
+    rows = run(cfg, log=lambda *_: None, force=True)
     return {
         "arm": arm,
         "seed": seed,
-        "overrides": ARMS[arm],
+        "overrides": [*ARMS[arm], *extra],
         "wall_s": time.perf_counter() - start,
         "machine": machine(),
+        "model_dtype": cfg.model.dtype,  # "auto" resolved on this machine: bf16 where the CPU has bf16 units
         "per_step": [{k: r.get(k) for k in KEYS} for r in rows if "reward_mean" in r],
         "accuracy": [(r["step"], r["accuracy"]) for r in rows if "accuracy" in r],
     }
@@ -58,14 +60,15 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default="runs/study_qerl")
     p.add_argument("--out", default="runs/study_qerl.json")
     p.add_argument("--merge", action="store_true", help="add the runs to --out's (each keeps its machine)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides, every arm")
     args = p.parse_args(argv)
     from bitrl.kernels.bench_stats import machine
 
     command = " ".join(["python benchmarks/study_qerl.py", *(argv or sys.argv[1:])])
     if args.merge and Path(args.out).exists():
         out = json.loads(Path(args.out).read_text())
-        done = {(r["arm"], r["seed"]) for r in out["runs"]}
-        if any((arm, seed) in done for arm in args.arms for seed in args.seeds):
+        done = {(r["arm"], r["seed"], tuple(r["overrides"])) for r in out["runs"]}
+        if any((a, s, (*ARMS[a], *args.set)) in done for a in args.arms for s in args.seeds):
             raise SystemExit(f"{args.out} already holds one of these runs; leave it out of --arms/--seeds")
     else:
         out = {
@@ -77,7 +80,8 @@ def main(argv=None) -> int:
         }
     for seed in args.seeds:
         for arm in args.arms:
-            out["runs"].append({**run_one(arm, seed, args.steps, Path(args.runs)), "command": command})
+            result = run_one(arm, seed, args.steps, Path(args.runs), args.set)
+            out["runs"].append({**result, "command": command})
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(out, indent=1))
             print(arm, seed, json.dumps(out["runs"][-1]["accuracy"]), flush=True)

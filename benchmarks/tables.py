@@ -953,32 +953,49 @@ def table_cost_4bit() -> str:
     return md(head, out, "lrrrr") + note + source(name)
 
 
+def _run_dtype(run: dict) -> str:
+    """The model dtype a bench_real run trained in: recorded, or what "auto" resolves to on its machine."""
+    if "model_dtype" in run:
+        return run["model_dtype"]
+    return "bfloat16" if run.get("machine", {}).get("native_bf16") else "float32"
+
+
 def table_real_gptq() -> str:
-    """RL on SmolLM2 with the default 4-bit recipes (GPTQ) against full precision, paired by seed."""
+    """RL on SmolLM2 with the default 4-bit recipes (GPTQ) against full precision, paired by seed and by
+    the dtype both trained in (model.dtype "auto" is bf16 on CPUs with bf16 units, fp32 elsewhere)."""
     name = "bench_real_gptq_10steps.json"
     runs = load(name)
-    base = {r["seed"]: r for r in runs if r["precision"] == "full"}
-    base_reward = {s: statistics.fmean(t["reward_mean"] for t in r["steps"]) for s, r in base.items()}
+    short = {"bfloat16": "bf16", "float32": "fp32"}
+
+    def pair(r):
+        return r["seed"], _run_dtype(r)
+
+    def mean_reward(r):
+        return statistics.fmean(t["reward_mean"] for t in r["steps"])
+
+    base = {pair(r): r for r in runs if r["precision"] == "full"}
     out = []
     for cell in sorted(dict.fromkeys((r["precision"], r["correction"]) for r in runs), key=_cell_key):
-        rs = sorted((r for r in runs if (r["precision"], r["correction"]) == cell), key=lambda r: r["seed"])
+        rs = sorted(
+            (r for r in runs if (r["precision"], r["correction"]) == cell and pair(r) in base),
+            key=lambda r: (_run_dtype(r) != "bfloat16", r["seed"]),
+        )
         full = cell[0] == "full"
-        gaps = [100 * (r["accuracy_end"] - base[r["seed"]]["accuracy_end"]) for r in rs]
-        rewards = [statistics.fmean(t["reward_mean"] for t in r["steps"]) for r in rs]
-        ratios = [w / base_reward[r["seed"]] for w, r in zip(rewards, rs)]
+        gaps = [100 * (r["accuracy_end"] - base[pair(r)]["accuracy_end"]) for r in rs]
+        rewards = [mean_reward(r) for r in rs]
+        ratio = sum(rewards) / sum(mean_reward(base[pair(r)]) for r in rs)
         flat = [statistics.fmean(t["flat_group_frac"] for t in r["steps"]) for r in rs]
         k3 = [statistics.fmean(t["mismatch_k3_kl"] for t in r["steps"]) for r in rs]
         se = f" ± {statistics.stdev(gaps) / len(gaps) ** 0.5:.1f}" if len(gaps) > 1 else ""
         out.append(
             [
                 *cell,
-                _seeds(r["seed"] for r in rs),
+                ", ".join(f"{r['seed']} {short[_run_dtype(r)]}" for r in rs),
                 " / ".join(f"{100 * r['accuracy_start']:.0f}→{100 * r['accuracy_end']:.0f}" for r in rs),
                 ""
                 if full
                 else " / ".join(f"{g:+.0f}" for g in gaps) + f" (mean {statistics.fmean(gaps):+.1f}{se})",
-                " / ".join(f"{100 * w:.1f}%" for w in rewards)
-                + ("" if full else f" ({statistics.fmean(ratios):.2f}× full)"),
+                " / ".join(f"{100 * w:.1f}%" for w in rewards) + ("" if full else f" ({ratio:.2f}× full)"),
                 " / ".join(f"{f:.2f}" for f in flat),
                 " / ".join(f"{k:#.2g}" for k in k3),
             ]
@@ -986,10 +1003,10 @@ def table_real_gptq() -> str:
     head = [
         "rollout",
         "correction",
-        "seeds",
+        "seed, dtype",
         "held-out accuracy, step 0 → 10, per seed",
         "gap to full per seed (mean ± s.e.)",
-        "reward, mean of steps 1-10",
+        "reward, mean of steps 1-10 (sum against full's)",
         "flat groups",
         "k3 per token",
     ]
@@ -1090,17 +1107,21 @@ def table_dtype_study() -> str:
 
 def table_qerl_study() -> str:
     """QeRL on SmolLM2 against full-precision LoRA at the same rank, paired by seed (study_qerl.py)."""
-    runs = load("study_qerl_smollm2.json")["runs"]
-    full = {r["seed"]: r for r in runs if r["arm"] == "lora-full"}
+    study = load("study_qerl_smollm2.json")
+    # runs before per-run records trained on the file's machine; pairs share a seed and a dtype
+    runs = [{"machine": study["machine"], **r} for r in study["runs"]]
+    full = {(r["seed"], _run_dtype(r)): r for r in runs if r["arm"] == "lora-full"}
     out = []
-    for r in sorted(runs, key=lambda r: (r["seed"], r["arm"] != "lora-full", r["arm"])):
+    order = {"bfloat16": 0, "float32": 1}
+    for r in sorted(runs, key=lambda r: (order[_run_dtype(r)], r["seed"], r["arm"] != "lora-full", r["arm"])):
         steps = r["per_step"]
         final = r["accuracy"][-1][1]
-        base = full.get(r["seed"])
+        base = full.get((r["seed"], _run_dtype(r)))
         gap = "–" if base is None or base is r else f"{100 * (final - base['accuracy'][-1][1]):+.0f}"
         out.append(
             [
                 r["seed"],
+                {"bfloat16": "bf16", "float32": "fp32"}[_run_dtype(r)],
                 f"`{r['arm']}`",
                 _curve(r["accuracy"]),
                 gap,
@@ -1110,9 +1131,9 @@ def table_qerl_study() -> str:
                 f"{statistics.median(x['step_time_s'] for x in steps):.0f} s",
             ]
         )
-    head = ["seed", "arm", "held-out accuracy, steps 0 -> 5 -> 10", "vs LoRA (points)", "reward, steps 6-10"]
-    head += ["flat groups", "k3 max", "step time"]
-    return md(head, out, "rllrrrrr") + source("study_qerl_smollm2.json")
+    head = ["seed", "dtype", "arm", "held-out accuracy, steps 0 -> 5 -> 10", "vs LoRA (points)"]
+    head += ["reward, steps 6-10", "flat groups", "k3 max", "step time"]
+    return md(head, out, "rlllrrrrr") + source("study_qerl_smollm2.json")
 
 
 # ------------------------------------------------------------------------------------------- index
