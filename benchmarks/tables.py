@@ -953,6 +953,9 @@ def table_cost_4bit() -> str:
     return md(head, out, "lrrrr") + note + source(name)
 
 
+DTYPE_SHORT = {"bfloat16": "bf16", "float32": "fp32"}
+
+
 def _run_dtype(run: dict) -> str:
     """The model dtype a bench_real run trained in: recorded, or what "auto" resolves to on its machine."""
     if "model_dtype" in run:
@@ -965,7 +968,6 @@ def table_real_gptq() -> str:
     the dtype both trained in (model.dtype "auto" is bf16 on CPUs with bf16 units, fp32 elsewhere)."""
     name = "bench_real_gptq_10steps.json"
     runs = load(name)
-    short = {"bfloat16": "bf16", "float32": "fp32"}
 
     def pair(r):
         return r["seed"], _run_dtype(r)
@@ -990,7 +992,7 @@ def table_real_gptq() -> str:
         out.append(
             [
                 *cell,
-                ", ".join(f"{r['seed']} {short[_run_dtype(r)]}" for r in rs),
+                ", ".join(f"{r['seed']} {DTYPE_SHORT[_run_dtype(r)]}" for r in rs),
                 " / ".join(f"{100 * r['accuracy_start']:.0f}→{100 * r['accuracy_end']:.0f}" for r in rs),
                 ""
                 if full
@@ -1121,7 +1123,7 @@ def table_qerl_study() -> str:
         out.append(
             [
                 r["seed"],
-                {"bfloat16": "bf16", "float32": "fp32"}[_run_dtype(r)],
+                DTYPE_SHORT[_run_dtype(r)],
                 f"`{r['arm']}`",
                 _curve(r["accuracy"]),
                 gap,

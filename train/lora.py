@@ -68,8 +68,8 @@ def quantize_lora_base_(policy: nn.Module, recipe, calibration=None) -> None:
 
     if recipe.gptq and not calibration:
         raise ValueError("model.lora.base_precision: a GPTQ base needs calibration sequences")
-    quantized = {}
-    for name, layer in lora_layers(policy).items():
+    layers, quantized = lora_layers(policy), {}
+    for name, layer in layers.items():
         base = layer.base_layer
         if isinstance(base, QuantLinear):
             continue
@@ -84,6 +84,5 @@ def quantize_lora_base_(policy: nn.Module, recipe, calibration=None) -> None:
         gptq_requantize_(nn.ModuleList(quantized.values()), policy, calibration, recipe.gptq_damp)
         for q in quantized.values():
             q.source_name = None
-    layers = lora_layers(policy)
     for name, q in quantized.items():
         layers[name].base_layer = q
