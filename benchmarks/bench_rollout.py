@@ -29,11 +29,13 @@ import subprocess
 import sys
 import time
 import types
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from bitrl.kernels.bench_stats import machine
+from bitrl.kernels.weight_major import use_weight_major, weight_major_linear
 
 OLD_COMMIT = "1895635"
 REPO = Path(__file__).resolve().parent.parent
@@ -94,20 +96,35 @@ def make_prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 def linear_products(model, rows: int, passes: int = 16) -> float:
-    """Seconds of one pass of torch.mm through every linear layer of `model` at `rows` rows: the products of
-    one forward that no engine can avoid. The mean over `passes` consecutive passes after a warm-up one, as
-    an engine runs them: the best single pass was the machine's short burst (on the 2-core EPYC the first
-    pass ran 147 ms, the next ones 175-188 ms), not what it sustains over a rollout."""
+    """Seconds of one pass through every linear layer of `model` at `rows` rows: the products of one forward
+    that no engine can avoid, each in its faster form here (torch.mm, or for a wide layer such as the LM head
+    the weight-major blocks bitrl's decoder takes where `use_weight_major` says they are faster: counting
+    them as torch.mm would let the engine beat its own floor). The mean over `passes` consecutive passes
+    after a warm-up one, as an engine runs them: the best single pass was the machine's short burst (on the
+    2-core EPYC the first pass ran 147 ms, the next ones 175-188 ms), not what it sustains over a rollout."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     dtype = linears[0].weight.dtype
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
-    for m in linears:  # warm-up
-        torch.mm(inputs[m.in_features], m.weight.t())
-    start = time.perf_counter()
-    for _ in range(passes):
-        for m in linears:
-            torch.mm(inputs[m.in_features], m.weight.t())
+    products = [
+        partial(
+            weight_major_linear if use_weight_major(inputs[m.in_features], m.weight) else _mm_t,
+            inputs[m.in_features],
+            m.weight,
+        )
+        for m in linears
+    ]
+    with torch.no_grad():
+        for product in products:  # warm-up
+            product()
+        start = time.perf_counter()
+        for _ in range(passes):
+            for product in products:
+                product()
     return (time.perf_counter() - start) / passes
+
+
+def _mm_t(x, weight):
+    return torch.mm(x, weight.t())
 
 
 def floor_seconds(model, prompts, rows: int, tokens: int) -> float:

@@ -35,6 +35,7 @@ from bitrl.kernels.aligned import (
 from bitrl.kernels.decode_attention import decode_attention
 from bitrl.kernels.host_ext import load_host_library
 from bitrl.kernels.rope_cache import rope_store, rotate_half
+from bitrl.kernels.weight_major import use_weight_major, weight_major_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
@@ -352,7 +353,15 @@ class Decoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's logits [..., V] in the compute dtype."""
-        return self._linear(self.head, hidden)
+        head = self.head
+        if (
+            not self.aligned
+            and type(head) is torch.nn.Linear
+            and head.bias is None
+            and use_weight_major(hidden, head.weight)
+        ):  # a CPU decode step's head: the weight-major blocks are 1.2-1.9x faster there, same bits
+            return weight_major_linear(hidden, head.weight)
+        return self._linear(head, hidden)
 
 
 @torch.no_grad()
