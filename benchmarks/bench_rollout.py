@@ -102,17 +102,7 @@ def linear_products(model, rows: int, passes: int = 16) -> float:
     them as torch.mm would let the engine beat its own floor). The mean over `passes` consecutive passes
     after a warm-up one, as an engine runs them: the best single pass was the machine's short burst (on the
     2-core EPYC the first pass ran 147 ms, the next ones 175-188 ms), not what it sustains over a rollout."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    dtype = linears[0].weight.dtype
-    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
-    products = [
-        partial(
-            weight_major_linear if use_weight_major(inputs[m.in_features], m.weight) else _mm_t,
-            inputs[m.in_features],
-            m.weight,
-        )
-        for m in linears
-    ]
+    products = floor_products(model, rows)
     with torch.no_grad():
         for product in products:  # warm-up
             product()
@@ -121,6 +111,22 @@ def linear_products(model, rows: int, passes: int = 16) -> float:
             for product in products:
                 product()
     return (time.perf_counter() - start) / passes
+
+
+def floor_products(model, rows: int) -> list:
+    """One call per linear layer of `model` at `rows` random rows, each in the form a decode step takes."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    dtype = linears[0].weight.dtype
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
+    with torch.no_grad():  # as an engine decodes (the choice of form depends on autograd)
+        return [
+            partial(
+                weight_major_linear if use_weight_major(inputs[m.in_features], m.weight) else _mm_t,
+                inputs[m.in_features],
+                m.weight,
+            )
+            for m in linears
+        ]
 
 
 def _mm_t(x, weight):

@@ -173,6 +173,34 @@ def table_rollout() -> str:
     return md(head, rows, "llllrrrrrrrrr") + source(*ROLLOUT_FILES)
 
 
+def table_head_forms() -> str:
+    """bench_head.py: the LM head at a decode step's rows, torch's product against the weight-major blocks."""
+    name = "bench_head.json"
+    d = load(name)
+    rows = [
+        [
+            r["dtype"],
+            r["rows"],
+            f"{r['torch_ms']:.1f} ms ({r['torch_gflops']:.0f} GFLOP/s)",
+            f"{r['weight_major_ms']:.1f} ms ({r['weight_major_gflops']:.0f} GFLOP/s)",
+            f"{r['speedup']:.2f}×",
+            "yes" if r["same_bits"] else "no",
+            "weight-major" if r["decoder_takes_weight_major"] else "torch",
+        ]
+        for r in d["rows"]
+    ]
+    head = [
+        "dtype",
+        "rows",
+        "torch x @ W.T",
+        "weight-major blocks",
+        "speed-up",
+        "same bits",
+        "decoder's form",
+    ]
+    return md(head, rows, "lrrrrll") + source(name)
+
+
 # --------------------------------------------------------------------------------------------- reuse
 
 
@@ -307,25 +335,39 @@ def table_reuse_long() -> str:
 # ------------------------------------------------------------------------------------------- trainer
 
 
+TRAINER_FILES = ("bench_trainer.json", "bench_trainer_avx2_fp32.json")
+
+
 def table_trainer() -> str:
-    name = "bench_trainer.json"
-    d = load(name)
-    rows = [
-        [
-            s["arm"],
-            f"{s['update_tokens_per_s']:.0f}",
-            "{:.2f}× ({:.2f}–{:.2f})".format(s["speed_vs_fp32"], *s["speed_vs_fp32_range"]),
-            f"{s['peak_rss_gib']:.2f}",
-            f"{s['measured_trainer_gib']:.2f}",
-            f"{s['planned_trainer_gib']:.2f}",
-            f"{100 * s['plan_error']:+.0f}%",
-            f"{s['trainable_params'] / 1e6:.1f}M",
-            f"{s['update_fraction_of_floor']:.2f}" if "update_fraction_of_floor" in s else "–",
-            f"{s['old_logprobs_fraction_of_floor']:.2f}" if "old_logprobs_fraction_of_floor" in s else "–",
+    rows, notes = [], []
+    for name in TRAINER_FILES:
+        d = load(name)
+        cpu = recorded_cpu(d["machine"])
+        rows += [
+            [
+                cpu,
+                s["arm"],
+                f"{s['update_tokens_per_s']:.0f}",
+                "{:.2f}× ({:.2f}–{:.2f})".format(s["speed_vs_fp32"], *s["speed_vs_fp32_range"]),
+                f"{s['peak_rss_gib']:.2f}",
+                f"{s['measured_trainer_gib']:.2f}",
+                f"{s['planned_trainer_gib']:.2f}",
+                f"{100 * s['plan_error']:+.0f}%",
+                f"{s['trainable_params'] / 1e6:.1f}M",
+                f"{s['update_fraction_of_floor']:.2f}" if "update_fraction_of_floor" in s else "–",
+                f"{s['old_logprobs_fraction_of_floor']:.2f}"
+                if "old_logprobs_fraction_of_floor" in s
+                else "–",
+            ]
+            for s in d["summary"]
         ]
-        for s in d["summary"]
-    ]
+        st = d["settings"]
+        notes.append(
+            f"{cpu}: {st['rows']} rows × ({st['prompt']} + {st['response']}) tokens, {st['steps']} step per "
+            f"arm per round, {st['rounds']} rounds, {st['threads']} thread"
+        )
     head = [
+        "CPU",
         "arm",
         "update tok/s",
         "vs fp32 (median, range over rounds)",
@@ -337,12 +379,8 @@ def table_trainer() -> str:
         "update / floor",
         "old-log-prob pass / floor",
     ]
-    st = d["settings"]
-    note = (
-        f"\n\nSettings recorded: {st['rows']} rows × ({st['prompt']} + {st['response']}) tokens, "
-        f"{st['steps']} step per arm per round, {st['rounds']} rounds, {st['threads']} thread."
-    )
-    return md(head, rows, "lrrrrrrrrr", drop_empty=True) + note + source(name)
+    note = "\n\nSettings recorded: " + "; ".join(notes) + "."
+    return md(head, rows, "llrrrrrrrrr", drop_empty=True) + note + source(*TRAINER_FILES)
 
 
 # ---------------------------------------------------------------------------------------- scale-out
@@ -612,10 +650,30 @@ FORM_LABELS = {
 }
 
 
+GEMM_FLOOR_FILES = ("bench_gemm_floor.json", "bench_gemm_floor_avx2.json")
+
+
 def table_gemm_floor_forms() -> str:
     """bench_gemm_floor.py --forms: both memory-budget forms against the floor and naive torch."""
-    name = "bench_gemm_floor.json"
-    d = load(name)
+    out = []
+    for name in GEMM_FLOOR_FILES:
+        d = load(name)
+        out += _gemm_floor_forms_rows(d)
+    head = [
+        "CPU",
+        "op, dtype, N × V",
+        "variant",
+        "products",
+        "time",
+        "fraction of the floor",
+        "vs naive torch",
+        "peak memory",
+        "vs best peer's memory",
+    ]
+    return md(head, out, "lllrrrrrr") + source(*GEMM_FLOOR_FILES)
+
+
+def _gemm_floor_forms_rows(d: dict) -> list[list]:
     out = []
     for key in (k for k in d if k.startswith("forms/")):
         v = d[key]
@@ -629,6 +687,7 @@ def table_gemm_floor_forms() -> str:
                 vs_peer = f"{r['mem_vs_best_peer']:.2f}×" if "mem_vs_best_peer" in r else "–"
                 out.append(
                     [
+                        recorded_cpu(v["machine"]),
                         f"{label}, {dtype}, {v['N']} × {v['V']}",
                         vlabel,
                         f"{r['products']:.3g}",
@@ -639,17 +698,7 @@ def table_gemm_floor_forms() -> str:
                         vs_peer,
                     ]
                 )
-    head = [
-        "op, dtype, N × V",
-        "variant",
-        "products",
-        "time",
-        "fraction of the floor",
-        "vs naive torch",
-        "peak memory",
-        "vs best peer's memory",
-    ]
-    return md(head, out, "llrrrrrr") + source(name)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -1151,6 +1200,7 @@ DESCRIPTIONS = {
     "bench_distributed_memory.json": "memory plan and peak per rank at 1, 2 and 4 ranks",
     "bench_distributed_smollm2.json": "1 rank against 2 ranks, the smollm2-add preset",
     "bench_gemm_floor.json": "fused ops in units of one whole GEMM; the bf16 path's parts",
+    "bench_gemm_floor_avx2.json": "both forms of the fused ops against the floor on a CPU without bf16 units",
     "bench_integrations.json": "bitrl against TRL's kernel, Liger-Kernel and naive torch; TRL GRPOTrainer",
     "bench_keep_logits.json": "kept-logits budget of fused_logprobs against naive torch",
     "bench_loss_chunks.json": "chunk size of the loss op's one pass, against the two-pass tiles",
@@ -1170,7 +1220,9 @@ DESCRIPTIONS = {
     "bench_rollout_floor_64x128.json": "rollout throughput of the engine and model.generate against the "
     "floor of their products, SmolLM2-135M, bf16 and fp32",
     "bench_rollout_floor_avx2_fp32_64x128.json": "the same in fp32 on a CPU without bf16 units (AVX2 only)",
+    "bench_head.json": "the LM head at a decode step's rows: torch's product against the weight-major blocks",
     "bench_trainer.json": "update throughput and memory at SmolLM2-135M's size",
+    "bench_trainer_avx2_fp32.json": "the same in fp32 on a CPU without bf16 units, with checkpointing",
     "kernel_resources.json": "every Triton specialization compiled for sm_90 / sm_100",
     "study_mismatch_200steps.json": "low-precision rollouts and corrections on the demo, 200 steps",
     "study_4bit_smollm2.json": "4-bit rollout recipes on SmolLM2-135M before training: mismatch, accuracy",
@@ -1206,11 +1258,12 @@ def table_index() -> str:
 # name -> (page, renderer, results files read)
 TABLES: dict[str, tuple[str, Callable[[], str], tuple[str, ...]]] = {
     "rollout": ("rollout.md", table_rollout, ROLLOUT_FILES),
+    "head-forms": ("rollout.md", table_head_forms, ("bench_head.json",)),
     "reuse-12seeds": ("rollout.md", table_reuse_12seeds, ("bench_reuse_12seeds.json",)),
     "reuse-lenience": ("rollout.md", table_reuse_lenience, ("bench_reuse_lenience_6seeds.json",)),
     "reuse-16epochs": ("rollout.md", table_reuse_16epochs, ("bench_reuse_16epochs_12seeds.json",)),
     "reuse-long": ("rollout.md", table_reuse_long, ("bench_reuse_long_smollm2_4seeds.json",)),
-    "trainer": ("trainer.md", table_trainer, ("bench_trainer.json",)),
+    "trainer": ("trainer.md", table_trainer, TRAINER_FILES),
     "study-4bit": ("low_precision.md", table_study_4bit, ("study_4bit_smollm2.json",)),
     "study-4bit-demo": (
         "low_precision.md",
@@ -1229,7 +1282,7 @@ TABLES: dict[str, tuple[str, Callable[[], str], tuple[str, ...]]] = {
     "loss-chunks": ("kernels.md", table_loss_chunks, ("bench_loss_chunks.json",)),
     "gemm-floor": ("kernels.md", table_gemm_floor, ("bench_gemm_floor.json",)),
     "gemm-floor-bf16": ("kernels.md", table_gemm_floor_bf16, ("bench_gemm_floor.json",)),
-    "gemm-floor-forms": ("kernels.md", table_gemm_floor_forms, ("bench_gemm_floor.json",)),
+    "gemm-floor-forms": ("kernels.md", table_gemm_floor_forms, GEMM_FLOOR_FILES),
     "kernel-resources": ("gpu.md", table_kernel_resources, ("kernel_resources.json",)),
     "gpu": ("gpu.md", table_gpu, ()),
     "study-mismatch": ("low_precision.md", table_study_mismatch, ("study_mismatch_200steps.json",)),

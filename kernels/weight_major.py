@@ -6,29 +6,38 @@ stays in cache) and written transposed into the row-major output.
 
 Why: for a decode step's head (R = 16-256 rows, K = 576, N = 49152, fp32) MKL's ``x @ weight.T`` runs at
 70-100 GFLOP/s on a 2-core AVX2 EPYC, the same product with the weight as the left operand at 110-125
-(1.2-1.9x faster, the largest gain at 16-64 rows), and the bits are the same there: the dot products are
-summed in the same order. bf16 without bf16 units (emulated) is the other way round (5x slower, other bits),
-so the decoder takes this form for fp32 only (`use_weight_major`); a bf16 CPU with AMX is unmeasured.
+(1.1-1.8x faster, the largest gain at 16-64 rows), and the bits are the same there: the dot products are
+summed in the same order (not at 2-8 rows, where neither form is faster). bf16 without bf16 units
+(emulated) is the other way round (5-10x slower, other bits), so the decoder takes this form for fp32 only
+(`use_weight_major`); a bf16 CPU with AMX is unmeasured (`benchmarks/bench_head.py` measures it).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["WEIGHT_MAJOR_BLOCK", "WEIGHT_MAJOR_MAX_ROWS", "use_weight_major", "weight_major_linear"]
+__all__ = [
+    "WEIGHT_MAJOR_BLOCK",
+    "WEIGHT_MAJOR_MAX_ROWS",
+    "WEIGHT_MAJOR_MIN_ROWS",
+    "use_weight_major",
+    "weight_major_linear",
+]
 
 WEIGHT_MAJOR_BLOCK = 2048  # weight rows per product: a [2048, R] fp32 block is 0.5 MiB at R 64 (in L2)
-WEIGHT_MAJOR_MAX_ROWS = 256  # measured up to here (1.12x at 256 rows); above, torch's own product
+# Rows where it was measured faster, with the same bits (bench_head.py): below 16 at most 1.08x and other bits
+# at 2-8 rows, above 256 even
+WEIGHT_MAJOR_MIN_ROWS, WEIGHT_MAJOR_MAX_ROWS = 16, 256
 
 
 def use_weight_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `weight_major_linear` is the faster form of x @ weight.T here: a CPU fp32 product without
-    autograd, at most WEIGHT_MAJOR_MAX_ROWS rows, and a weight wider than one block."""
+    autograd, WEIGHT_MAJOR_MIN_ROWS to WEIGHT_MAJOR_MAX_ROWS rows, and a weight wider than one block."""
     return (
         x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and x.dim() == 2
-        and 0 < x.shape[0] <= WEIGHT_MAJOR_MAX_ROWS
+        and WEIGHT_MAJOR_MIN_ROWS <= x.shape[0] <= WEIGHT_MAJOR_MAX_ROWS
         and weight.shape[0] > WEIGHT_MAJOR_BLOCK
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     )

@@ -140,3 +140,29 @@ def test_trainer_floor_counts_the_steps_products():
     small = [(1, (4, 8), (8, 16), 1), (2, (3, 4), (4, 3), -2)]
     for backward in (False, True):  # timed products, each a positive time
         assert bench_trainer.floor_seconds(small, "float32", True, backward=backward) > 0
+
+
+def test_rollout_floor_times_each_product_in_the_decode_steps_form():
+    """bench_rollout's floor: one product per linear layer, the wide fp32 head in the weight-major form the
+    decoder takes (counted as torch.mm it would let the engine beat its own floor), whatever the weights'
+    requires_grad."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bitrl.benchmarks import bench_rollout
+    from bitrl.kernels.weight_major import WEIGHT_MAJOR_BLOCK, weight_major_linear
+
+    config = LlamaConfig(
+        vocab_size=WEIGHT_MAJOR_BLOCK + 100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM(config)
+    assert model.lm_head.weight.requires_grad
+    products = bench_rollout.floor_products(model, rows=64)
+    assert len(products) == 2 * 7 + 1
+    assert [p.func is weight_major_linear for p in products] == [False] * 14 + [True]
+    assert bench_rollout.floor_products(model, rows=4)[-1].func is not weight_major_linear  # few rows: mm
+    assert bench_rollout.linear_products(model, rows=64, passes=1) > 0

@@ -4,6 +4,7 @@ import torch
 from bitrl.kernels.weight_major import (
     WEIGHT_MAJOR_BLOCK,
     WEIGHT_MAJOR_MAX_ROWS,
+    WEIGHT_MAJOR_MIN_ROWS,
     use_weight_major,
     weight_major_linear,
 )
@@ -64,8 +65,9 @@ def test_weight_major_linear_of_no_rows_and_bad_operands():
 
 def test_the_form_is_taken_for_a_cpu_fp32_head_without_autograd_only():
     head = torch.randn(WEIGHT_MAJOR_BLOCK + 1, 8)
-    x = torch.randn(4, 8)
+    x = torch.randn(WEIGHT_MAJOR_MIN_ROWS, 8)
     assert use_weight_major(x, head)
+    assert not use_weight_major(x[:-1], head)  # a few rows: not faster
     assert not use_weight_major(x.bfloat16(), head.bfloat16())  # emulated bf16: slower there
     assert not use_weight_major(x, head[:WEIGHT_MAJOR_BLOCK])  # one block: nothing to gain
     assert not use_weight_major(torch.randn(WEIGHT_MAJOR_MAX_ROWS + 1, 8), head)
@@ -90,7 +92,7 @@ def test_the_decoders_head_takes_the_form_and_gives_the_modules_logits():
         num_key_value_heads=2,
     )
     model = LlamaForCausalLM(config).eval()
-    hidden = torch.randn(7, 32)
+    hidden = torch.randn(WEIGHT_MAJOR_MIN_ROWS + 3, 32)
     with torch.no_grad():
         assert use_weight_major(hidden, model.lm_head.weight)
         got = Decoder(model).logits(hidden)
