@@ -1,9 +1,10 @@
 """The LM head of a CPU decode step in its two forms: torch's x @ W.T against bitrl's weight-major blocks.
 
 `bitrl.kernels.weight_major` computes logits [R, V] = x [R, H] @ W [V, H].T block by block of W's rows as
-W[s:e] @ x.T; the decoder takes that form where `use_weight_major` says so (CPU, fp32, R <= 256). This times
-both forms interleaved in one process (best of --reps after a warm-up), at SmolLM2-135M's head (H 576,
-V 49152) by default, for each row count and dtype, and records whether their bits agree, with the CPU:
+W[s:e] @ x.T; the decoder takes that form where `use_weight_major` says so (CPU, fp32, 16 <= R <= 256). This
+times both forms interleaved in one process (best of --reps rounds after a warm-up round), at SmolLM2-135M's
+head (H 576, V 49152) by default, for each row count and dtype, and records whether their bits agree and the
+CPU:
 
     python benchmarks/bench_head.py --rows 1 16 64 128 256 512 --dtypes fp32 bf16 \
         --out benchmarks/results/bench_head.json
@@ -16,27 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from bitrl.kernels.bench_stats import machine
+from bitrl.kernels.bench_stats import interleaved_times, machine
 from bitrl.kernels.weight_major import use_weight_major, weight_major_linear
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def best_seconds(fn, reps: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main(argv=None) -> int:
@@ -56,8 +46,11 @@ def main(argv=None) -> int:
         for rows in args.rows:
             x = torch.randn(rows, args.hidden, generator=g).to(dtype)
             with torch.no_grad():
-                plain = best_seconds(partial(torch.mm, x, weight.T), args.reps)
-                blocks = best_seconds(partial(weight_major_linear, x, weight), args.reps)
+                runs = {
+                    "torch": partial(torch.mm, x, weight.T),
+                    "blocks": partial(weight_major_linear, x, weight),
+                }
+                plain, blocks = (min(t) for t in interleaved_times(runs, args.reps).values())
                 same_bits = torch.equal(x @ weight.T, weight_major_linear(x, weight))
                 taken = use_weight_major(x, weight)
             flops = 2 * rows * args.hidden * args.vocab
@@ -86,14 +79,7 @@ def main(argv=None) -> int:
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print("| dtype | rows | torch x @ W.T | weight-major blocks | speed-up | same bits | decoder's form |")
-    print("| --- | ---: | ---: | ---: | ---: | --- | --- |")
-    for r in rows_out:
-        form = "weight-major" if r["decoder_takes_weight_major"] else "torch"
-        print(
-            f"| {r['dtype']} | {r['rows']} | {r['torch_ms']:.1f} ms | {r['weight_major_ms']:.1f} ms | "
-            f"{r['speedup']:.2f}x | {'yes' if r['same_bits'] else 'no'} | {form} |"
-        )
+    print(f"wrote {args.out} (the head-forms table: python benchmarks/tables.py)")
     return 0
 
 

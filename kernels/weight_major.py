@@ -6,7 +6,7 @@ stays in cache) and written transposed into the row-major output.
 
 Why: for a decode step's head (R = 16-256 rows, K = 576, N = 49152, fp32) MKL's ``x @ weight.T`` runs at
 70-100 GFLOP/s on a 2-core AVX2 EPYC, the same product with the weight as the left operand at 110-125
-(1.1-1.8x faster, the largest gain at 16-64 rows), and the bits are the same there: the dot products are
+(1.1-1.9x faster, the largest gain at 16-64 rows), and the bits are the same there: the dot products are
 summed in the same order (not at 2-8 rows, where neither form is faster). bf16 without bf16 units
 (emulated) is the other way round (5-10x slower, other bits), so the decoder takes this form for fp32 only
 (`use_weight_major`); a bf16 CPU with AMX is unmeasured (`benchmarks/bench_head.py` measures it).

@@ -146,20 +146,12 @@ def test_rollout_floor_times_each_product_in_the_decode_steps_form():
     """bench_rollout's floor: one product per linear layer, the wide fp32 head in the weight-major form the
     decoder takes (counted as torch.mm it would let the engine beat its own floor), whatever the weights'
     requires_grad."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import TINY_QWEN, make_qwen
 
     from bitrl.benchmarks import bench_rollout
     from bitrl.kernels.weight_major import WEIGHT_MAJOR_BLOCK, weight_major_linear
 
-    config = LlamaConfig(
-        vocab_size=WEIGHT_MAJOR_BLOCK + 100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = LlamaForCausalLM(config)
+    model = make_qwen(**{**TINY_QWEN, "vocab_size": WEIGHT_MAJOR_BLOCK + 100})
     assert model.lm_head.weight.requires_grad
     products = bench_rollout.floor_products(model, rows=64)
     assert len(products) == 2 * 7 + 1

@@ -78,20 +78,11 @@ def test_the_form_is_taken_for_a_cpu_fp32_head_without_autograd_only():
 
 
 def test_the_decoders_head_takes_the_form_and_gives_the_modules_logits():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import TINY_QWEN, make_qwen
 
     from bitrl.rollout.decoder import Decoder
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=WEIGHT_MAJOR_BLOCK + 300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = make_qwen(**{**TINY_QWEN, "vocab_size": WEIGHT_MAJOR_BLOCK + 300})
     hidden = torch.randn(WEIGHT_MAJOR_MIN_ROWS + 3, 32)
     with torch.no_grad():
         assert use_weight_major(hidden, model.lm_head.weight)
