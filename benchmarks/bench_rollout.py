@@ -35,7 +35,12 @@ from pathlib import Path
 import torch
 
 from bitrl.kernels.bench_stats import machine
-from bitrl.kernels.weight_major import use_weight_major, weight_major_linear
+from bitrl.kernels.weight_major import (
+    WEIGHT_MAJOR_MAX_ROWS,
+    WEIGHT_MAJOR_MIN_ROWS,
+    use_weight_major,
+    weight_major_linear,
+)
 
 OLD_COMMIT = "1895635"
 REPO = Path(__file__).resolve().parent.parent
@@ -97,9 +102,9 @@ def make_prompts(tokenizer, count: int) -> list[list[int]]:
 
 def linear_products(model, rows: int, passes: int = 16) -> float:
     """Seconds of one pass through every linear layer of `model` at `rows` rows: the products of one forward
-    that no engine can avoid, each in its faster form here (torch.mm, or for a wide layer such as the LM head
-    the weight-major blocks bitrl's decoder takes where `use_weight_major` says they are faster: counting
-    them as torch.mm would let the engine beat its own floor). The mean over `passes` consecutive passes
+    that no engine can avoid, each in its faster form here, the one bitrl's decoder takes (`floor_products`:
+    weight-major where that is faster; counting them as x @ weight.T would let the engine beat its own
+    floor). The mean over `passes` consecutive passes
     after a warm-up one, as an engine runs them: the best single pass was the machine's short burst (on the
     2-core EPYC the first pass ran 147 ms, the next ones 175-188 ms), not what it sustains over a rollout."""
     products = floor_products(model, rows)
@@ -114,23 +119,39 @@ def linear_products(model, rows: int, passes: int = 16) -> float:
 
 
 def floor_products(model, rows: int) -> list:
-    """One call per linear layer of `model` at `rows` random rows, each in the form a decode step takes."""
+    """One call per linear layer of `model` at `rows` random rows, each in the form a decode step takes: the
+    layers' products weight-major where the decoder keeps the step feature-major (`weight @ x_t`), the head's
+    by `use_weight_major`, otherwise x @ weight.T."""
+    from bitrl.rollout.decoder import Decoder
+
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings()
     dtype = linears[0].weight.dtype
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
+    inputs_t = {k: x.t().contiguous() for k, x in inputs.items()}
+    layers_weight_major = (
+        Decoder(model).weight_major_layers and WEIGHT_MAJOR_MIN_ROWS <= rows <= WEIGHT_MAJOR_MAX_ROWS
+    )
+    products = []
     with torch.no_grad():  # as an engine decodes (the choice of form depends on autograd)
-        return [
-            partial(
-                weight_major_linear if use_weight_major(inputs[m.in_features], m.weight) else _mm_t,
-                inputs[m.in_features],
-                m.weight,
-            )
-            for m in linears
-        ]
+        for m in linears:
+            x = inputs[m.in_features]
+            if m is head:
+                form = weight_major_linear if use_weight_major(x, m.weight) else _mm_t
+            elif layers_weight_major:
+                form, x = _weight_major_mm, inputs_t[m.in_features]
+            else:
+                form = _mm_t
+            products.append(partial(form, x, m.weight))
+    return products
 
 
 def _mm_t(x, weight):
     return torch.mm(x, weight.t())
+
+
+def _weight_major_mm(x_t, weight):
+    return torch.mm(weight, x_t)
 
 
 def floor_seconds(model, prompts, rows: int, tokens: int) -> float:

@@ -88,6 +88,58 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void rms_norm_f32(c
   for (int64_t r = 0; r < rows; ++r) rms_norm_row<false>(x, w, out, r, h, eps);
 }
 
+// The same norm of every column of x [h, n] (one token per column: a decode step whose activations are
+// feature-major, bitrl.kernels.weight_major), with the bits of rms_norm_row: lane j still sums the squares of
+// features j, j + 16, ... in ascending order and the lanes meet in lane_total's tree; the loops run across a
+// block of columns instead, so they vectorize over tokens.
+constexpr int64_t kColumnBlock = 64;
+
+template <bool kBf16>
+__attribute__((always_inline)) inline void rms_norm_column_block(const void* x, const void* w, void* out,
+                                                                 int64_t h, int64_t n, int64_t start,
+                                                                 int64_t end, float eps) {
+  float lanes[kLanes][kColumnBlock] = {};
+  const int64_t width = end - start;
+  for (int64_t k = 0; k < h; ++k) {
+    float* acc = lanes[k % kLanes];
+    for (int64_t c = 0; c < width; ++c) {
+      const float v = load<kBf16>(x, k * n + start + c);
+      acc[c] += v * v;
+    }
+  }
+  float inv[kColumnBlock];
+  for (int64_t c = 0; c < width; ++c) {
+    float lane[kLanes];
+    for (int j = 0; j < kLanes; ++j) lane[j] = lanes[j][c];
+    inv[c] = 1.0f / sqrtf(lane_total(lane) / (float)h + eps);
+  }
+  for (int64_t k = 0; k < h; ++k) {
+    const float wk = load<kBf16>(w, k);
+    for (int64_t c = 0; c < width; ++c) {
+      const float y = round_to<kBf16>(load<kBf16>(x, k * n + start + c) * inv[c]);
+      store<kBf16>(out, k * n + start + c, wk * y);
+    }
+  }
+}
+
+template <bool kBf16>
+void rms_norm_columns(const void* x, const void* w, void* out, int64_t h, int64_t n, float eps) {
+#pragma omp parallel for schedule(static) if (h * n >= (1 << 14))
+  for (int64_t s = 0; s < n; s += kColumnBlock) {
+    rms_norm_column_block<kBf16>(x, w, out, h, n, s, s + kColumnBlock < n ? s + kColumnBlock : n, eps);
+  }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void rms_norm_columns_bf16(
+    const void* x, const void* w, void* out, int64_t h, int64_t n, float eps) {
+  rms_norm_columns<true>(x, w, out, h, n, eps);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void rms_norm_columns_f32(
+    const void* x, const void* w, void* out, int64_t h, int64_t n, float eps) {
+  rms_norm_columns<false>(x, w, out, h, n, eps);
+}
+
 // out = round(round(silu(g)) * u), silu(g) = g / (1 + e^-g): the MLP's act_fn(gate) * up, each product
 // rounded to the storage dtype as the two torch ops would.
 template <bool kBf16>
@@ -187,6 +239,15 @@ void bitrl_aligned_rms_norm(const void* x, const void* w, void* out, int64_t row
     rms_norm_bf16(x, w, out, rows, h, eps);
   } else {
     rms_norm_f32(x, w, out, rows, h, eps);
+  }
+}
+
+// x, out: [h, n] contiguous (a column per token); w: [h]; all bf16 (bf16 = 1) or all fp32.
+void bitrl_rms_norm_columns(const void* x, const void* w, void* out, int64_t h, int64_t n, float eps, int bf16) {
+  if (bf16) {
+    rms_norm_columns_bf16(x, w, out, h, n, eps);
+  } else {
+    rms_norm_columns_f32(x, w, out, h, n, eps);
   }
 }
 

@@ -51,6 +51,7 @@ __all__ = [
     "aligned_silu_mul",
     "aligned_token_logprobs",
     "check_aligned_dtype",
+    "column_rms_norm",
 ]
 
 BLOCK_ROWS = 64  # rows of every product in the block form: the decode step's batch at its best
@@ -217,6 +218,29 @@ def aligned_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     with torch.autocast(x.device.type, enabled=False):
         out = _AlignedRMSNorm.apply(x2, w, float(eps))
     return out.view(x.shape)
+
+
+def column_rms_norm(x_t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`aligned_rms_norm` of every column of x_t [H, N] (a token per column: the weight-major decode step's
+    feature-major activations), weight [H]: the bits of aligned_rms_norm(x_t.T).T without the transposes
+    (on the CPU one host pass vectorized across tokens, each token's sum in the row kernel's order). Returns
+    [H, N] contiguous in x_t's dtype (fp32 or bf16). No autograd: a decode step's."""
+    if x_t.dim() != 2 or weight.shape != x_t.shape[:1]:
+        raise ValueError(
+            f"column_rms_norm: x_t [H, N] and weight [H], got {list(x_t.shape)} and {list(weight.shape)}"
+        )
+    if x_t.dtype not in (CPU_DTYPES if x_t.device.type == "cpu" else CUDA_DTYPES):
+        raise ValueError(f"column_rms_norm: no kernel for {x_t.dtype} on {x_t.device.type}")
+    w = weight.to(x_t.dtype).contiguous()
+    if x_t.device.type != "cpu":
+        return _rms_norm_forward(x_t.t().contiguous(), w, float(eps)).t().contiguous()
+    x_t = x_t.contiguous()
+    out = torch.empty_like(x_t)
+    _host().bitrl_rms_norm_columns(
+        x_t.data_ptr(), w.data_ptr(), out.data_ptr(), x_t.shape[0], x_t.shape[1], ctypes.c_float(eps),
+        int(x_t.dtype == torch.bfloat16),
+    )  # fmt: skip
+    return out
 
 
 def _silu_mul_forward(gate, up):

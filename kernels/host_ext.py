@@ -108,8 +108,14 @@ def load_host_library() -> ctypes.CDLL | None:
     _LIB.bitrl_aligned_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]
     _LIB.bitrl_aligned_silu_mul.argtypes = [ptr, ptr, ptr, i64, i32]
     _LIB.bitrl_aligned_logprobs.argtypes = [ptr, ptr, i64, i64, i64, f32, ptr, ptr, i32]
-    _LIB.bitrl_rope_store.argtypes = [ptr] * 9 + [i64] * 7 + [i32]
-    for fn in ("bitrl_aligned_rms_norm", "bitrl_aligned_silu_mul", "bitrl_aligned_logprobs"):
+    _LIB.bitrl_rms_norm_columns.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]
+    _LIB.bitrl_rope_store.argtypes = [ptr] * 9 + [i64] * 10 + [i32]
+    for fn in (
+        "bitrl_aligned_rms_norm",
+        "bitrl_rms_norm_columns",
+        "bitrl_aligned_silu_mul",
+        "bitrl_aligned_logprobs",
+    ):
         getattr(_LIB, fn).restype = None
     _LIB.bitrl_rope_store.restype = i64
     return _LIB

@@ -5,8 +5,9 @@
 q [R, T, Hq, d], k and v [R, T, Hk, d] (the projections viewed per head), cos and sin [R, T, d] (the
 model's rotary table at each token's position): q_rot [R, Hq, T, d] = q cos + rotate_half(q) sin, and
 token t of row r writes rotate(k) and v into column cols[r, t] of cache row r ([R, Hk, C, d]). One pass on
-the CPU (csrc/rope_cache_host.cc) with the bits of the torch formula (`rope_store_reference`); elsewhere,
-or for other dtypes and layouts, that formula.
+the CPU (csrc/rope_cache_host.cc) with the bits of the torch formula (`rope_store_reference`), reading q, k
+and v where they lie when each is per-head rows or a slice of a feature-major [features, tokens] buffer (the
+weight-major decode step's); elsewhere, or for other dtypes and layouts, that formula.
 """
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ def _check(q, k, v, cos, sin, k_cache, v_cache, cols):
     check_tensor("cols", cols, shape=(rows, tokens), dtypes=(torch.long,), device=q.device)
 
 
+def _token_feature_strides(x: torch.Tensor) -> tuple[int, int] | None:
+    """(token, feature) strides of x [R, T, heads, d] when token r * T + t lies at (r * T + t) * token and
+    feature h * d + c at (h * d + c) * feature: per-head rows (feature 1) or a slice of a feature-major
+    [features, tokens] buffer (token 1); None otherwise."""
+    rows, tokens, heads, d = x.shape
+    s_row, s_tok, s_head, s_feat = x.stride()
+    if rows > 1 and tokens > 1 and s_row != tokens * s_tok:
+        return None
+    if heads > 1 and s_head != d * s_feat:
+        return None
+    return (s_tok if tokens > 1 else s_row), s_feat
+
+
 def rope_store(q, k, v, cos, sin, k_cache, v_cache, cols) -> torch.Tensor:
     """q_rot [R, Hq, T, d] in q's dtype; rotated k and v written into k_cache / v_cache [R, Hk, C, d] at
     columns cols [R, T] int64 (module docstring); a column outside the cache is an error."""
@@ -72,12 +86,18 @@ def rope_store(q, k, v, cos, sin, k_cache, v_cache, cols) -> torch.Tensor:
         if on_host and (int(cols.min()) < 0 or int(cols.max()) >= columns):
             raise ValueError(f"cols: a column outside the cache's {columns} columns")
         return rope_store_reference(q, k, v, cos, sin, k_cache, v_cache, cols)
-    q, k, v, cos, sin, cols = (t.contiguous() for t in (q, k, v, cos, sin, cols))
+    strides = [_token_feature_strides(t) for t in (q, k, v)]
+    if None in strides or strides[1] != strides[2] or strides[0][1] != strides[1][1]:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        strides = [_token_feature_strides(t) for t in (q, k, v)]
+    (q_tok, feat), (kv_tok, _) = strides[0], strides[1]
+    cos, sin, cols = cos.contiguous(), sin.contiguous(), cols.contiguous()
     out = torch.empty((rows, q_heads, tokens, d), dtype=q.dtype)
     bad = lib.bitrl_rope_store(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), cols.data_ptr(),
         out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        rows, tokens, q_heads, kv_heads, d, columns, k_cache.stride(0), int(q.dtype == torch.bfloat16),
+        rows, tokens, q_heads, kv_heads, d, columns, k_cache.stride(0), q_tok, kv_tok, feat,
+        int(q.dtype == torch.bfloat16),
     )  # fmt: skip
     if bad:
         raise ValueError(f"cols: column {int(cols.view(-1)[bad - 1])} outside the cache's {columns} columns")

@@ -10,6 +10,12 @@ Why: for a decode step's head (R = 16-256 rows, K = 576, N = 49152, fp32) MKL's 
 summed in the same order (not at 2-8 rows, where neither form is faster). bf16 without bf16 units
 (emulated) is the other way round (5-10x slower, other bits), so the decoder takes this form for fp32 only
 (`use_weight_major`); a bf16 CPU with AMX is unmeasured (`benchmarks/bench_head.py` measures it).
+
+The layers' products gain the same way (SmolLM2's 210 at 64 rows: 111 ms against 145 as x @ weight.T,
+same bits; 1.2-1.6x from 16 to 256 rows, slower at 2-8), but there the transposes would cost what the
+form saves, so the decoder's CPU decode step keeps its activations feature-major instead (x_t [features,
+tokens]: each product is weight @ x_t, whose output is the next product's input; see
+`bitrl.rollout.decoder.Decoder.weight_major_layers`), in the same range of rows.
 """
 
 from __future__ import annotations

@@ -102,6 +102,35 @@ def test_rms_norm_matches_the_formula_and_each_row_is_its_own(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h,n", [(200, 9), (576, 64), (33, 130), (16, 1)])
+def test_column_rms_norm_is_the_row_norm_of_each_column(dtype, h, n):
+    """The weight-major decode step's norm over x_t [H, N]: the formula per column, and the bits of
+    aligned_rms_norm on x_t.T (the row kernel's sum order); a NaN shows in its own column only."""
+    g = torch.Generator().manual_seed(h + n)
+    x_t = (torch.randn(h, n, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype)
+    x_t[h // 2, n - 1] = math.nan
+    xf = x_t.double()
+    want = w.double()[:, None] * (xf * torch.rsqrt(xf.pow(2).mean(0, keepdim=True) + 1e-6)).to(dtype).double()
+    got = al.column_rms_norm(x_t, w, 1e-6)
+    assert got.shape == (h, n) and got.dtype == dtype and got.is_contiguous()
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol, equal_nan=True)
+    assert got[:, n - 1].isnan().all() and not got[:, : n - 1].isnan().any()
+    rows = al.aligned_rms_norm(x_t.t().contiguous(), w, 1e-6).t()
+    bits = torch.int32 if dtype == torch.float32 else torch.int16  # NaN included
+    assert torch.equal(got.view(bits), rows.contiguous().view(bits))
+
+
+def test_column_rms_norm_names_bad_inputs():
+    x_t = torch.randn(8, 4)
+    with pytest.raises(ValueError, match=r"column_rms_norm: x_t \[H, N\] and weight \[H\]"):
+        al.column_rms_norm(x_t, torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="column_rms_norm: no kernel for torch.float16 on cpu"):
+        al.column_rms_norm(x_t.half(), torch.ones(8), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_the_formula_and_is_elementwise(dtype):
     g = torch.Generator().manual_seed(2)
     gate = (torch.randn(7, 300, generator=g) * 4).to(dtype)

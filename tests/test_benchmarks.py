@@ -143,9 +143,9 @@ def test_trainer_floor_counts_the_steps_products():
 
 
 def test_rollout_floor_times_each_product_in_the_decode_steps_form():
-    """bench_rollout's floor: one product per linear layer, the wide fp32 head in the weight-major form the
-    decoder takes (counted as torch.mm it would let the engine beat its own floor), whatever the weights'
-    requires_grad."""
+    """bench_rollout's floor: one product per linear layer in the form the decoder takes (counted as
+    x @ weight.T they would let the engine beat its own floor): the layers' weight-major at 16-256 rows, the
+    wide fp32 head by blocks, whatever the weights' requires_grad."""
     from conftest import TINY_QWEN, make_qwen
 
     from bitrl.benchmarks import bench_rollout
@@ -156,5 +156,8 @@ def test_rollout_floor_times_each_product_in_the_decode_steps_form():
     products = bench_rollout.floor_products(model, rows=64)
     assert len(products) == 2 * 7 + 1
     assert [p.func is weight_major_linear for p in products] == [False] * 14 + [True]
-    assert bench_rollout.floor_products(model, rows=4)[-1].func is not weight_major_linear  # few rows: mm
+    # the layers' products as the feature-major step runs them: weight @ x_t, x_t [K, 64]
+    assert all(p.func is bench_rollout._weight_major_mm and p.args[0].shape[1] == 64 for p in products[:14])
+    few = bench_rollout.floor_products(model, rows=4)  # few rows: x @ weight.T throughout
+    assert all(p.func is bench_rollout._mm_t for p in few)
     assert bench_rollout.linear_products(model, rows=64, passes=1) > 0

@@ -127,3 +127,29 @@ def test_the_host_kernel_is_the_cpu_path():
         assert called
     finally:
         rc.rope_store_reference = real
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,tokens", [(17, 1), (3, 5), (40, 1)])
+def test_rope_store_reads_feature_major_projections_where_they_lie(dtype, rows, tokens):
+    """The weight-major decode step's q, k, v: column slices of one [tokens, features] view of a feature-major
+    [features, tokens] buffer. Read in place (gathered by the kernel), with the bits of the contiguous ones;
+    a NaN in the buffer lands where the formula puts it."""
+    q0, k0, v0, cos, sin, cache, cols = _case(7 + rows, dtype, rows=rows, tokens=tokens, d=32)
+    q_f, k_f = q0.shape[2] * 32, k0.shape[2] * 32
+    flat = [t.reshape(rows * tokens, -1) for t in (q0, k0, v0)]
+    buffer = torch.cat(flat, dim=1).t().contiguous()  # [features, tokens]
+    buffer[3, 1] = math.nan  # token 1's feature 3: query head 0, lane 3
+    by_token = buffer.t()
+    q, k, v = (
+        by_token[:, s:e].view(rows, tokens, -1, 32)
+        for s, e in ((0, q_f), (q_f, q_f + k_f), (q_f + k_f, None))
+    )
+    assert not q.is_contiguous()
+    kc, vc = cache[0].clone(), cache[1].clone()
+    out = rope_store(q, k, v, cos, sin, kc, vc, cols)
+    rk, rv = cache[0].clone(), cache[1].clone()
+    ref = rope_store_reference(q.contiguous(), k.contiguous(), v.contiguous(), cos, sin, rk, rv, cols)
+    assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().sum() == 2  # lane 3 and its partner
+    finite = ~ref.isnan()
+    assert torch.equal(out[finite], ref[finite]) and torch.equal(kc, rk) and torch.equal(vc, rv)

@@ -422,3 +422,42 @@ def test_host_norms_and_mlp_of_a_cpu_decode_step_match_the_modules(tiny_qwen, dt
     assert same.any()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(a.logprobs[same], b.logprobs[same], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_weight_major_decode_step_matches_the_row_major_one(arch, monkeypatch):
+    """At 16-256 rows an fp32 CPU decode step keeps its activations feature-major and runs every product
+    weight-major (Qwen2's biases included): the same samples and log-probs as the row-major step (the same
+    bits where the CPU's two product forms have them), and a model it cannot run that way is not."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bitrl.kernels.host_ext import load_host_library
+    from bitrl.rollout.decoder import Decoder
+
+    if load_host_library() is None:
+        pytest.skip("the host kernels need a C++ compiler")
+    from conftest import TINY_QWEN, make_qwen
+
+    if arch == "llama":
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY_QWEN, "head_dim": 16})).eval()
+    else:
+        model = make_qwen(**TINY_QWEN)
+    sampling = Sampling(max_new_tokens=12, eos_id=-1, pad_id=0)
+    prompts = _prompts() * 8  # 24 rows decoding at once
+    fast = RolloutEngine(model, sampling)
+    assert fast.decoder.weight_major_layers
+    plain = RolloutEngine(model, sampling)
+    plain.decoder.weight_major_layers = False
+    calls = []
+    real = Decoder._layer_weight_major
+    monkeypatch.setattr(Decoder, "_layer_weight_major", lambda *a: calls.append(1) or real(*a))
+    a = fast.generate(prompts, generator=torch.Generator().manual_seed(4))
+    assert len(calls) >= 11 * 2  # every decode step, each layer
+    calls.clear()
+    b = plain.generate(prompts, generator=torch.Generator().manual_seed(4))
+    assert not calls
+    same = (a.response_ids == b.response_ids).all(-1)
+    assert same.float().mean() >= 0.9
+    torch.testing.assert_close(a.logprobs[same], b.logprobs[same], atol=1e-5, rtol=1e-5)
+    assert not Decoder(make_qwen(**TINY_QWEN).bfloat16()).weight_major_layers  # fp32 only
