@@ -74,18 +74,27 @@ __attribute__((always_inline)) inline void rms_norm_row(const void* x, const voi
   }
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) void rms_norm_bf16(const void* x, const void* w,
-                                                                                void* out, int64_t rows,
-                                                                                int64_t h, float eps) {
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) rms_norm_row<true>(x, w, out, r, h, eps);
+// Each kernel's body runs as a target clone called from inside its OpenMP loop: a clone of the function
+// holding the loop would not reach the loop's body, which the compiler outlines (and builds for the baseline
+// ISA only). Every clone gives the same bits (explicit lanes, no FMA contraction).
+#define BITRL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+BITRL_CLONES void rms_norm_rows_bf16(const void* x, const void* w, void* out, int64_t row, int64_t h, float eps) {
+  rms_norm_row<true>(x, w, out, row, h, eps);
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) void rms_norm_f32(const void* x, const void* w,
-                                                                               void* out, int64_t rows,
-                                                                               int64_t h, float eps) {
+BITRL_CLONES void rms_norm_rows_f32(const void* x, const void* w, void* out, int64_t row, int64_t h, float eps) {
+  rms_norm_row<false>(x, w, out, row, h, eps);
+}
+
+void rms_norm_bf16(const void* x, const void* w, void* out, int64_t rows, int64_t h, float eps) {
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) rms_norm_row<false>(x, w, out, r, h, eps);
+  for (int64_t r = 0; r < rows; ++r) rms_norm_rows_bf16(x, w, out, r, h, eps);
+}
+
+void rms_norm_f32(const void* x, const void* w, void* out, int64_t rows, int64_t h, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) rms_norm_rows_f32(x, w, out, r, h, eps);
 }
 
 // The same norm of every column of x [h, n] (one token per column: a decode step whose activations are
@@ -122,22 +131,26 @@ __attribute__((always_inline)) inline void rms_norm_column_block(const void* x, 
   }
 }
 
-template <bool kBf16>
-void rms_norm_columns(const void* x, const void* w, void* out, int64_t h, int64_t n, float eps) {
+BITRL_CLONES void rms_norm_column_block_bf16(const void* x, const void* w, void* out, int64_t h, int64_t n,
+                                             int64_t start, int64_t end, float eps) {
+  rms_norm_column_block<true>(x, w, out, h, n, start, end, eps);
+}
+
+BITRL_CLONES void rms_norm_column_block_f32(const void* x, const void* w, void* out, int64_t h, int64_t n,
+                                            int64_t start, int64_t end, float eps) {
+  rms_norm_column_block<false>(x, w, out, h, n, start, end, eps);
+}
+
+void rms_norm_columns(const void* x, const void* w, void* out, int64_t h, int64_t n, float eps, int bf16) {
 #pragma omp parallel for schedule(static) if (h * n >= (1 << 14))
   for (int64_t s = 0; s < n; s += kColumnBlock) {
-    rms_norm_column_block<kBf16>(x, w, out, h, n, s, s + kColumnBlock < n ? s + kColumnBlock : n, eps);
+    const int64_t e = s + kColumnBlock < n ? s + kColumnBlock : n;
+    if (bf16) {
+      rms_norm_column_block_bf16(x, w, out, h, n, s, e, eps);
+    } else {
+      rms_norm_column_block_f32(x, w, out, h, n, s, e, eps);
+    }
   }
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default"))) void rms_norm_columns_bf16(
-    const void* x, const void* w, void* out, int64_t h, int64_t n, float eps) {
-  rms_norm_columns<true>(x, w, out, h, n, eps);
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default"))) void rms_norm_columns_f32(
-    const void* x, const void* w, void* out, int64_t h, int64_t n, float eps) {
-  rms_norm_columns<false>(x, w, out, h, n, eps);
 }
 
 // out = round(round(silu(g)) * u), silu(g) = g / (1 + e^-g): the MLP's act_fn(gate) * up, each product
@@ -154,16 +167,24 @@ __attribute__((always_inline)) inline void silu_mul_range(const void* gate, cons
 
 constexpr int64_t kChunk = 4096;
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) void silu_mul_bf16(const void* gate, const void* up,
-                                                                                void* out, int64_t n) {
-#pragma omp parallel for schedule(static)
-  for (int64_t s = 0; s < n; s += kChunk) silu_mul_range<true>(gate, up, out, s, s + kChunk < n ? s + kChunk : n);
+BITRL_CLONES void silu_mul_chunk_bf16(const void* gate, const void* up, void* out, int64_t start, int64_t end) {
+  silu_mul_range<true>(gate, up, out, start, end);
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) void silu_mul_f32(const void* gate, const void* up,
-                                                                               void* out, int64_t n) {
+BITRL_CLONES void silu_mul_chunk_f32(const void* gate, const void* up, void* out, int64_t start, int64_t end) {
+  silu_mul_range<false>(gate, up, out, start, end);
+}
+
+void silu_mul(const void* gate, const void* up, void* out, int64_t n, int bf16) {
 #pragma omp parallel for schedule(static)
-  for (int64_t s = 0; s < n; s += kChunk) silu_mul_range<false>(gate, up, out, s, s + kChunk < n ? s + kChunk : n);
+  for (int64_t s = 0; s < n; s += kChunk) {
+    const int64_t e = s + kChunk < n ? s + kChunk : n;
+    if (bf16) {
+      silu_mul_chunk_bf16(gate, up, out, s, e);
+    } else {
+      silu_mul_chunk_f32(gate, up, out, s, e);
+    }
+  }
 }
 
 // One logits row z [v] at u = z * inv_t: lse = max + log(sum 2^((u - max) log2 e)), logprob = u[target] - lse
@@ -205,27 +226,26 @@ __attribute__((always_inline)) inline void logprob_row(const void* z, int64_t of
   *lp = target < 0 ? 0.0f : load<kBf16>(z, off + target) * inv_t - lse;
 }
 
-template <bool kBf16>
+BITRL_CLONES void logprob_row_bf16(const void* z, int64_t off, int64_t v, float inv_t, int64_t target, float* lp,
+                                   float* entropy) {
+  logprob_row<true>(z, off, v, inv_t, target, lp, entropy);
+}
+
+BITRL_CLONES void logprob_row_f32(const void* z, int64_t off, int64_t v, float inv_t, int64_t target, float* lp,
+                                  float* entropy) {
+  logprob_row<false>(z, off, v, inv_t, target, lp, entropy);
+}
+
 void logprobs(const void* z, const int64_t* targets, int64_t rows, int64_t v, int64_t ld, float inv_t, float* lp,
-              float* entropy) {
+              float* entropy, int bf16) {
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) logprob_row<kBf16>(z, r * ld, v, inv_t, targets[r], lp + r, entropy + r);
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default"))) void logprobs_bf16(const void* z,
-                                                                                const int64_t* targets,
-                                                                                int64_t rows, int64_t v,
-                                                                                int64_t ld, float inv_t,
-                                                                                float* lp, float* entropy) {
-  logprobs<true>(z, targets, rows, v, ld, inv_t, lp, entropy);
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default"))) void logprobs_f32(const void* z,
-                                                                               const int64_t* targets,
-                                                                               int64_t rows, int64_t v,
-                                                                               int64_t ld, float inv_t,
-                                                                               float* lp, float* entropy) {
-  logprobs<false>(z, targets, rows, v, ld, inv_t, lp, entropy);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (bf16) {
+      logprob_row_bf16(z, r * ld, v, inv_t, targets[r], lp + r, entropy + r);
+    } else {
+      logprob_row_f32(z, r * ld, v, inv_t, targets[r], lp + r, entropy + r);
+    }
+  }
 }
 
 }  // namespace
@@ -244,30 +264,18 @@ void bitrl_aligned_rms_norm(const void* x, const void* w, void* out, int64_t row
 
 // x, out: [h, n] contiguous (a column per token); w: [h]; all bf16 (bf16 = 1) or all fp32.
 void bitrl_rms_norm_columns(const void* x, const void* w, void* out, int64_t h, int64_t n, float eps, int bf16) {
-  if (bf16) {
-    rms_norm_columns_bf16(x, w, out, h, n, eps);
-  } else {
-    rms_norm_columns_f32(x, w, out, h, n, eps);
-  }
+  rms_norm_columns(x, w, out, h, n, eps, bf16);
 }
 
 // gate, up, out: n contiguous elements, all bf16 or all fp32.
 void bitrl_aligned_silu_mul(const void* gate, const void* up, void* out, int64_t n, int bf16) {
-  if (bf16) {
-    silu_mul_bf16(gate, up, out, n);
-  } else {
-    silu_mul_f32(gate, up, out, n);
-  }
+  silu_mul(gate, up, out, n, bf16);
 }
 
 // z: [rows, v] with row stride ld (elements); targets: [rows] int64 (< 0: no target); lp, entropy: [rows] fp32.
 void bitrl_aligned_logprobs(const void* z, const int64_t* targets, int64_t rows, int64_t v, int64_t ld,
                             float inv_t, float* lp, float* entropy, int bf16) {
-  if (bf16) {
-    logprobs_bf16(z, targets, rows, v, ld, inv_t, lp, entropy);
-  } else {
-    logprobs_f32(z, targets, rows, v, ld, inv_t, lp, entropy);
-  }
+  logprobs(z, targets, rows, v, ld, inv_t, lp, entropy, bf16);
 }
 
 }  // extern "C"

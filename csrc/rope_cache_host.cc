@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "host_math.h"
@@ -86,35 +87,51 @@ void rope_store(const void* q, const void* k, const void* v, const void* cos, co
   }
 }
 
-// dst [n, f] (row-major) <- src, element (i, j) of src at i * tok + j * feat: a feature-major [f, tokens]
-// slice brought to rows of features, in 16 x 16 tiles (each cache line of src read once). T: the element's
-// storage (uint16_t for bf16, float for fp32): values are moved, never converted.
-template <typename T>
-void gather_tokens(const T* src, int64_t tok, int64_t feat, T* dst, int64_t n, int64_t f) {
-  constexpr int64_t kTile = 16;
-#pragma omp parallel for schedule(static) if (n * f >= (1 << 14))
-  for (int64_t i0 = 0; i0 < n; i0 += kTile) {
-    const int64_t i1 = i0 + kTile < n ? i0 + kTile : n;
-    for (int64_t j0 = 0; j0 < f; j0 += kTile) {
-      const int64_t j1 = j0 + kTile < f ? j0 + kTile : f;
-      for (int64_t j = j0; j < j1; ++j) {
-        for (int64_t i = i0; i < i1; ++i) dst[i * f + j] = src[i * tok + j * feat];
+// The same pass over feature-major q, k, v (element (token i, feature j) at i + j * feat: slices of one
+// [features, tokens] buffer), 16 tokens at a time: each head's [d, 16] block is read a cache line per feature
+// into a [16, d] tile (in L1), then rotated and stored from there as above.
+constexpr int64_t kTileTokens = 16;
+
+template <bool kBf16>
+void rope_store_feature_major(const void* q, const void* k, const void* v, const void* cos, const void* sin,
+                              const int64_t* cols, void* q_out, void* k_cache, void* v_cache, int64_t rows,
+                              int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d, int64_t columns,
+                              int64_t cache_row_stride, int64_t feat) {
+  using T = std::conditional_t<kBf16, uint16_t, float>;
+  const int64_t n = rows * tokens;
+#pragma omp parallel for schedule(static) if (n * (q_heads + 2 * kv_heads) * d >= (1 << 14))
+  for (int64_t i0 = 0; i0 < n; i0 += kTileTokens) {
+    const int64_t len = n - i0 < kTileTokens ? n - i0 : kTileTokens;
+    std::vector<T> tile((size_t)(kTileTokens * d));
+    // head `head` of x into the tile: tile[i * d + c] = x[(head * d + c) * feat + i0 + i]
+    auto load_head = [&](const void* x, int64_t head) {
+      const T* src = static_cast<const T*>(x) + head * d * feat + i0;
+      for (int64_t c = 0; c < d; ++c) {
+        for (int64_t i = 0; i < len; ++i) tile[i * d + c] = src[c * feat + i];
+      }
+    };
+    for (int64_t hq = 0; hq < q_heads; ++hq) {
+      load_head(q, hq);
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t rt = i0 + i, r = rt / tokens, t = rt % tokens;
+        rotate<kBf16>(tile.data(), i * d, cos, sin, rt * d, q_out, ((r * q_heads + hq) * tokens + t) * d, d);
+      }
+    }
+    for (int64_t hk = 0; hk < kv_heads; ++hk) {
+      load_head(k, hk);
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t rt = i0 + i, r = rt / tokens;
+        rotate<kBf16>(tile.data(), i * d, cos, sin, rt * d, k_cache,
+                      r * cache_row_stride + (hk * columns + cols[rt]) * d, d);
+      }
+      load_head(v, hk);
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t rt = i0 + i, r = rt / tokens;
+        T* dst = static_cast<T*>(v_cache) + r * cache_row_stride + (hk * columns + cols[rt]) * d;
+        memcpy(dst, tile.data() + i * d, d * sizeof(T));
       }
     }
   }
-}
-
-// q, k, v gathered into one scratch buffer of rows of features; the pointers and token strides moved there
-template <typename T>
-void gather_qkv(const void*& q, const void*& k, const void*& v, int64_t& q_tok, int64_t& kv_tok, int64_t feat,
-                int64_t n, int64_t qf, int64_t kf, std::vector<T>& scratch) {
-  if (scratch.size() < (size_t)(n * (qf + 2 * kf))) scratch.resize((size_t)(n * (qf + 2 * kf)));
-  T* dst = scratch.data();
-  gather_tokens(static_cast<const T*>(q), q_tok, feat, dst, n, qf);
-  gather_tokens(static_cast<const T*>(k), kv_tok, feat, dst + n * qf, n, kf);
-  gather_tokens(static_cast<const T*>(v), kv_tok, feat, dst + n * (qf + kf), n, kf);
-  q = dst, k = dst + n * qf, v = dst + n * (qf + kf);
-  q_tok = qf, kv_tok = kf;
 }
 
 }  // namespace
@@ -122,8 +139,9 @@ void gather_qkv(const void*& q, const void*& k, const void*& v, int64_t& q_tok, 
 extern "C" {
 
 // q [rows, tokens, q_heads, d], k and v [rows, tokens, kv_heads, d]: element (token i, feature j) at
-// i * q_tok + j * feat (k, v: i * kv_tok + j * feat), so per-head rows (feat 1) or slices of a feature-major
-// [features, tokens] buffer (tok 1, feat = tokens); cos and sin [rows, tokens, d] contiguous; all in one dtype
+// i * q_tok + j * feat (k, v: i * kv_tok + j * feat), either per-head rows (feat 1, any token strides) or
+// slices of a feature-major [features, tokens] buffer (feat = tokens, q_tok and kv_tok ignored: 1); cos and
+// sin [rows, tokens, d] contiguous; all in one dtype
 // (bf16: 1, fp32: 0); cols [rows, tokens] int64: the cache column of each token.
 // Writes q_out [rows, q_heads, tokens, d] (contiguous) and the caches [rows, kv_heads, columns, d] (rows
 // cache_row_stride elements apart, the rest contiguous). Returns 0, or (writing nothing) 1 + the index of
@@ -135,16 +153,15 @@ int64_t bitrl_rope_store(const void* q, const void* k, const void* v, const void
   for (int64_t i = 0; i < rows * tokens; ++i) {
     if (cols[i] < 0 || cols[i] >= columns) return 1 + i;
   }
-  // kept between calls: a fresh buffer of this size is fresh pages (faults and zeroing) on every layer
-  thread_local std::vector<uint16_t> scratch_bf16;
-  thread_local std::vector<float> scratch_f32;
-  if (feat != 1) {  // feature-major: each token's features gathered into contiguous rows first
-    const int64_t n = rows * tokens, qf = q_heads * d, kf = kv_heads * d;
+  if (feat != 1) {
     if (bf16) {
-      gather_qkv(q, k, v, q_tok, kv_tok, feat, n, qf, kf, scratch_bf16);
+      rope_store_feature_major<true>(q, k, v, cos, sin, cols, q_out, k_cache, v_cache, rows, tokens, q_heads,
+                                     kv_heads, d, columns, cache_row_stride, feat);
     } else {
-      gather_qkv(q, k, v, q_tok, kv_tok, feat, n, qf, kf, scratch_f32);
+      rope_store_feature_major<false>(q, k, v, cos, sin, cols, q_out, k_cache, v_cache, rows, tokens, q_heads,
+                                      kv_heads, d, columns, cache_row_stride, feat);
     }
+    return 0;
   }
   if (bf16) {
     rope_store<true>(q, k, v, cos, sin, cols, q_out, k_cache, v_cache, rows, tokens, q_heads, kv_heads, d,

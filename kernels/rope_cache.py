@@ -87,7 +87,13 @@ def rope_store(q, k, v, cos, sin, k_cache, v_cache, cols) -> torch.Tensor:
             raise ValueError(f"cols: a column outside the cache's {columns} columns")
         return rope_store_reference(q, k, v, cos, sin, k_cache, v_cache, cols)
     strides = [_token_feature_strides(t) for t in (q, k, v)]
-    if None in strides or strides[1] != strides[2] or strides[0][1] != strides[1][1]:
+    # the kernel's layouts: features contiguous (any token stride), or feature-major (tokens contiguous)
+    if (
+        None in strides
+        or strides[1] != strides[2]
+        or strides[0][1] != strides[1][1]
+        or (strides[0][1] != 1 and (strides[0][0], strides[1][0]) != (1, 1))
+    ):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         strides = [_token_feature_strides(t) for t in (q, k, v)]
     (q_tok, feat), (kv_tok, _) = strides[0], strides[1]
