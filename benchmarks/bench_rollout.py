@@ -13,6 +13,11 @@ decode step under torch.compile, one fixed shape); "hf" = model.generate with it
 "hf-static" = model.generate(cache_implementation="static") with the forward under torch.compile. Engines
 run interleaved, repetition by repetition, in ONE process, so ratios share the machine's load.
 
+Floors, timed in the same process after each repetition: "floor" = the products of the prefill and of every
+decode step, each in the form the decoder takes (`floor_products`); "floor+kv" (fixed workload) adds the
+attention's reads of the KV cache at this machine's stream bandwidth (`kv_read_bytes` / `stream_bandwidth`):
+on a CPU the products are compute-bound and the attention memory-bound, so neither alone is the step's floor.
+
     python benchmarks/bench_rollout.py --prompts 64 --new-tokens 128 --reps 2 \
         --out benchmarks/results/bench_rollout.json
 
@@ -162,6 +167,31 @@ def floor_seconds(model, prompts, rows: int, tokens: int) -> float:
     return prefill + -(-tokens // rows) * linear_products(model, rows)
 
 
+def stream_bandwidth(megabytes: int = 512, passes: int = 4) -> float:
+    """Bytes per second this machine reads from memory: torch's sum over an fp32 buffer far larger than its
+    caches, the mean of `passes` passes after a warm-up one (what a decode step's attention over the KV cache
+    can reach at best)."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()
+    start = time.perf_counter()
+    for _ in range(passes):
+        x.sum()
+    return passes * x.numel() * 4 / (time.perf_counter() - start)
+
+
+def kv_read_bytes(model, prompts, new_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V that the decode steps of a rollout without EOS must read: the token fed at response
+    position j of a sample with a p-token prompt attends its p + j columns (j = 1 .. new_tokens - 1; the
+    first token is drawn from the prefill), in every layer, for every KV head, in the cache's dtype (the
+    compute dtype). Memory-bound on a CPU, this is the part of a decode step that the products' floor leaves
+    out."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    columns = sum(len(p) * (new_tokens - 1) + (new_tokens - 1) * new_tokens // 2 for p in prompts)
+    per_column = c.num_hidden_layers * c.num_key_value_heads * head_dim * 2 * torch.finfo(dtype).bits // 8
+    return columns * per_column
+
+
 def run_engine(name, model, prompts, new_tokens, eos_id, pad_id, seed, old_engine):
     """Generated tokens of one rollout (timed by the caller)."""
     g = torch.Generator().manual_seed(seed)
@@ -255,6 +285,15 @@ def main(argv=None):
                 row.update(seconds=floor, tokens_per_s=made / floor)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if workload == "fixed":  # every row's length known: the KV cache's reads as well
+                    kv_bytes = kv_read_bytes(model, prompts, args.new_tokens, dtype)
+                    bandwidth = stream_bandwidth()
+                    row = dict(engine="floor+kv", dtype=dtype_name, workload=workload, rep=rep, tokens=made)
+                    seconds = floor + kv_bytes / bandwidth
+                    row.update(seconds=seconds, tokens_per_s=made / seconds, kv_bytes=kv_bytes)
+                    row["stream_gb_per_s"] = bandwidth / 1e9
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
         model.forward = plain_forward
     summary = summarize(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -292,11 +331,11 @@ def summarize(rows):
                     if o["engine"] == e and o["rep"] == n["rep"]
                 ]
                 entry[f"new_over_{e}"] = statistics.median(ratios)
-        if "floor" in engines:
-            floors = {r["rep"]: r["tokens_per_s"] for r in mine if r["engine"] == "floor"}
-            for e in engines:
-                if e != "floor":
-                    entry[f"{e}_fraction_of_floor"] = statistics.median(
+        for floor_name, key in (("floor", "floor"), ("floor+kv", "floor_kv")):
+            floors = {r["rep"]: r["tokens_per_s"] for r in mine if r["engine"] == floor_name}
+            for e in engines if floors else ():
+                if not e.startswith("floor"):
+                    entry[f"{e}_fraction_of_{key}"] = statistics.median(
                         r["tokens_per_s"] / floors[r["rep"]] for r in mine if r["engine"] == e
                     )
         out.append(entry)
