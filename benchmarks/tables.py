@@ -158,6 +158,7 @@ def _rollout_rows(name: str) -> list[list]:
                     f"{s[f'{e}_fraction_of_floor']:.2f}" if f"{e}_fraction_of_floor" in s else "–"
                     for e in ("new", "hf")
                 ),
+                f"{s['new_fraction_of_floor_kv']:.2f}" if "new_fraction_of_floor_kv" in s else "–",
             ]
         )
     return rows
@@ -169,8 +170,8 @@ ROLLOUT_FILES = ("bench_rollout_floor_64x128.json", "bench_rollout_floor_avx2_fp
 def table_rollout() -> str:
     rows = [r for n in ROLLOUT_FILES for r in _rollout_rows(n)]
     head = ["CPU", "workload", "dtype", "reps", *ROLLOUT_ENGINES, "new / old", "new / best hf", "new / floor"]
-    head.append("hf / floor")
-    return md(head, rows, "llllrrrrrrrrr") + source(*ROLLOUT_FILES)
+    head += ["hf / floor", "new / floor+kv"]
+    return md(head, rows, "llllrrrrrrrrrr") + source(*ROLLOUT_FILES)
 
 
 def table_head_forms() -> str:
