@@ -142,6 +142,22 @@ def test_trainer_floor_counts_the_steps_products():
         assert bench_trainer.floor_seconds(small, "float32", True, backward=backward) > 0
 
 
+def test_rollout_kv_floor_counts_each_decode_tokens_context():
+    """bench_rollout's floor+kv: the token fed at response position j of a p-token prompt reads p + j
+    columns of K and V in every layer and KV head, in the cache's dtype; the stream rate is a rate."""
+    from conftest import TINY_QWEN, make_qwen
+
+    from bitrl.benchmarks import bench_rollout
+
+    model = make_qwen(**TINY_QWEN)  # 2 layers, 2 KV heads of 32 / 4 = 8 dims
+    prompts, new = [[1, 2, 3], [4, 5]], 4
+    columns = sum(len(p) + j for p in prompts for j in range(1, new))
+    per_column_fp32 = 2 * 2 * 8 * 2 * 4  # layers x KV heads x dims x (K, V) x bytes
+    assert bench_rollout.kv_read_bytes(model, prompts, new, torch.float32) == columns * per_column_fp32
+    assert bench_rollout.kv_read_bytes(model, prompts, new, torch.bfloat16) == columns * per_column_fp32 // 2
+    assert bench_rollout.stream_bandwidth(megabytes=8, passes=1) > 1e8
+
+
 def test_rollout_floor_times_each_product_in_the_decode_steps_form():
     """bench_rollout's floor: one product per linear layer in the form the decoder takes (counted as
     x @ weight.T they would let the engine beat its own floor): the layers' weight-major at 16-256 rows, the
