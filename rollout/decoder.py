@@ -178,14 +178,6 @@ def _call(layer, fn):
     return fn()
 
 
-def _attention_projections(attn) -> tuple:
-    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-
-
-def _mlp_projections(mlp) -> tuple:
-    return mlp.gate_proj, mlp.up_proj, mlp.down_proj
-
-
 def _weight_major_products(linears, x_t: torch.Tensor) -> torch.Tensor:
     """Each nn.Linear's weight [O_i, K] @ x_t [K, N] (+ its bias), stacked: [sum O_i, N] fp32, every product
     written in place into its rows of the stack (a fused projection with no fused weight)."""
@@ -270,7 +262,10 @@ class Decoder:
         projections = [
             m
             for layer in self.layers
-            for m in (*_attention_projections(layer.self_attn), *_mlp_projections(layer.mlp))
+            for m in (
+                *(getattr(layer.self_attn, f"{n}_proj") for n in "qkvo"),
+                *(getattr(layer.mlp, f"{n}_proj") for n in ("gate", "up", "down")),
+            )
         ]
         self.weight_major_layers = (
             self._host_elementwise
@@ -361,7 +356,7 @@ class Decoder:
         rows, steps, d = cos.shape[0], cos.shape[2], self.head_dim
         ln = layer.input_layernorm
         qkv = _weight_major_products(
-            _attention_projections(attn)[:3], column_rms_norm(x_t, ln.weight, ln.variance_epsilon)
+            (attn.q_proj, attn.k_proj, attn.v_proj), column_rms_norm(x_t, ln.weight, ln.variance_epsilon)
         )
         tokens = qkv.t()  # [N, (Hq + 2 Hk) d], a view: rope_store reads the projections where they lie
         q_end, k_end = attn.q_proj.out_features, attn.q_proj.out_features + attn.k_proj.out_features
@@ -375,7 +370,7 @@ class Decoder:
         x_t = x_t + _weight_major_products((attn.o_proj,), o_t)
         ln = layer.post_attention_layernorm
         gate_up = _weight_major_products(
-            _mlp_projections(mlp)[:2], column_rms_norm(x_t, ln.weight, ln.variance_epsilon)
+            (mlp.gate_proj, mlp.up_proj), column_rms_norm(x_t, ln.weight, ln.variance_epsilon)
         )
         inner = mlp.gate_proj.out_features
         return x_t + _weight_major_products(
