@@ -77,6 +77,23 @@ def test_bench_decode_runs_on_a_tiny_model(tmp_path):
     assert nvfp4["weight_mib"] < 0.5 * full["weight_mib"]  # packed 4-bit weights (the tied head stays bf16)
 
 
+def test_bench_attention_cpu_times_both_forms_and_checks_its_width(tmp_path):
+    """The CPU attention benchmark at a small shape: both forms timed, the bytes counted, the JSON written."""
+    from bitrl.benchmarks import bench_attention_cpu
+
+    out = tmp_path / "attention.json"
+    args = ["--rows", "2", "--kv-heads", "1", "--group", "2", "--head-dim", "16", "--width", "5"]
+    result = bench_attention_cpu.main(
+        [*args, "--columns", "8", "--layers", "3", "--reps", "1", "--out", str(out)]
+    )
+    assert json.loads(out.read_text()) == result
+    assert set(result["ms_per_step"]) == {"from memory", "resident"}
+    assert all(t > 0 for t in result["ms_per_step"].values())
+    assert result["kv_bytes_per_step"] == 3 * 2 * 1 * 5 * 16 * 4 * 2
+    with pytest.raises(SystemExit, match="--width 9 exceeds --columns 8"):
+        bench_attention_cpu.main([*args[:-1], "9", "--columns", "8"])
+
+
 def test_gemm_meter_counts_products_and_rounds_bf16_once():
     """The bf16 stand-in: fp32 sums of the bf16 operands, rounded once; every product form counted."""
     from bitrl.benchmarks.bench_gemm_floor import GemmMeter
