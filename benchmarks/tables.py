@@ -1007,17 +1007,44 @@ DTYPE_SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 
 
 def _run_dtype(run: dict) -> str:
-    """The model dtype a bench_real run trained in: recorded, or what "auto" resolves to on its machine."""
+    """The model dtype a bench_real / study_qerl run trained in: recorded, else its ``model.dtype=``
+    override, else float32, model.dtype's default, which the smollm2 presets keep (runs written before the
+    dtype was recorded set none: they trained in fp32 on every CPU)."""
     if "model_dtype" in run:
         return run["model_dtype"]
-    return "bfloat16" if run.get("machine", {}).get("native_bf16") else "float32"
+    set_dtype = [o.split("=", 1)[1] for o in run.get("overrides") or [] if o.startswith("model.dtype=")]
+    return set_dtype[-1] if set_dtype else "float32"
+
+
+def _same_run(run: dict) -> tuple:
+    """What makes two runs the same experiment: settings and dtype, the model.dtype override aside."""
+    overrides = tuple(o for o in run.get("overrides") or [] if not o.startswith("model.dtype="))
+    return run.get("arm") or (run["precision"], run["correction"]), run["seed"], _run_dtype(run), overrides
+
+
+def _once(runs: list[dict]) -> list[tuple[dict, int]]:
+    """(run, n) per experiment run n times with the same result (held-out accuracy and every step's reward:
+    fp32 runs on CPUs of different kinds sample the same tokens), the first run standing for all; a repeat
+    that ended otherwise stays a run of its own."""
+    seen: dict[tuple, list] = {}
+    out = []
+    for r in runs:
+        steps = r.get("steps") or r.get("per_step") or []
+        result = (str(r.get("accuracy_end", r.get("accuracy"))), tuple(t["reward_mean"] for t in steps))
+        key = (*_same_run(r), result)
+        if key in seen:
+            seen[key][1] += 1
+        else:
+            seen[key] = [r, 1]
+            out.append(seen[key])
+    return [tuple(x) for x in out]
 
 
 def table_real_gptq() -> str:
     """RL on SmolLM2 with the default 4-bit recipes (GPTQ) against full precision, paired by seed and by
-    the dtype both trained in (model.dtype "auto" is bf16 on CPUs with bf16 units, fp32 elsewhere)."""
+    the dtype both trained in; a run repeated with the same result (on the other CPU kind) counts once."""
     name = "bench_real_gptq_10steps.json"
-    runs = load(name)
+    runs = _once(load(name))
 
     def pair(r):
         return r["seed"], _run_dtype(r)
@@ -1025,13 +1052,14 @@ def table_real_gptq() -> str:
     def mean_reward(r):
         return statistics.fmean(t["reward_mean"] for t in r["steps"])
 
-    base = {pair(r): r for r in runs if r["precision"] == "full"}
+    base = {pair(r): r for r, _ in runs if r["precision"] == "full"}
     out = []
-    for cell in sorted(dict.fromkeys((r["precision"], r["correction"]) for r in runs), key=_cell_key):
-        rs = sorted(
-            (r for r in runs if (r["precision"], r["correction"]) == cell and pair(r) in base),
-            key=lambda r: (_run_dtype(r) != "bfloat16", r["seed"]),
+    for cell in sorted(dict.fromkeys((r["precision"], r["correction"]) for r, _ in runs), key=_cell_key):
+        rn = sorted(
+            ((r, n) for r, n in runs if (r["precision"], r["correction"]) == cell and pair(r) in base),
+            key=lambda rn: (_run_dtype(rn[0]) != "bfloat16", rn[0]["seed"]),
         )
+        rs = [r for r, _ in rn]
         full = cell[0] == "full"
         gaps = [100 * (r["accuracy_end"] - base[pair(r)]["accuracy_end"]) for r in rs]
         rewards = [mean_reward(r) for r in rs]
@@ -1042,7 +1070,9 @@ def table_real_gptq() -> str:
         out.append(
             [
                 *cell,
-                ", ".join(f"{r['seed']} {DTYPE_SHORT[_run_dtype(r)]}" for r in rs),
+                ", ".join(
+                    f"{r['seed']} {DTYPE_SHORT[_run_dtype(r)]}" + (f" ×{n}" if n > 1 else "") for r, n in rn
+                ),
                 " / ".join(f"{100 * r['accuracy_start']:.0f}→{100 * r['accuracy_end']:.0f}" for r in rs),
                 ""
                 if full
@@ -1055,7 +1085,7 @@ def table_real_gptq() -> str:
     head = [
         "rollout",
         "correction",
-        "seed, dtype",
+        "seed, dtype (×n: n runs, same result)",
         "held-out accuracy, step 0 → 10, per seed",
         "gap to full per seed (mean ± s.e.)",
         "reward, mean of steps 1-10 (sum against full's)",
@@ -1161,11 +1191,14 @@ def table_qerl_study() -> str:
     """QeRL on SmolLM2 against full-precision LoRA at the same rank, paired by seed (study_qerl.py)."""
     study = load("study_qerl_smollm2.json")
     # runs before per-run records trained on the file's machine; pairs share a seed and a dtype
-    runs = [{"machine": study["machine"], **r} for r in study["runs"]]
-    full = {(r["seed"], _run_dtype(r)): r for r in runs if r["arm"] == "lora-full"}
+    runs = _once([{"machine": study["machine"], **r} for r in study["runs"]])
+    full = {(r["seed"], _run_dtype(r)): r for r, _ in runs if r["arm"] == "lora-full"}
     out = []
     order = {"bfloat16": 0, "float32": 1}
-    for r in sorted(runs, key=lambda r: (order[_run_dtype(r)], r["seed"], r["arm"] != "lora-full", r["arm"])):
+    for r, n in sorted(
+        runs,
+        key=lambda rn: (order[_run_dtype(rn[0])], rn[0]["seed"], rn[0]["arm"] != "lora-full", rn[0]["arm"]),
+    ):
         steps = r["per_step"]
         final = r["accuracy"][-1][1]
         base = full.get((r["seed"], _run_dtype(r)))
@@ -1173,7 +1206,7 @@ def table_qerl_study() -> str:
         out.append(
             [
                 r["seed"],
-                DTYPE_SHORT[_run_dtype(r)],
+                DTYPE_SHORT[_run_dtype(r)] + (f" ×{n}" if n > 1 else ""),
                 f"`{r['arm']}`",
                 _curve(r["accuracy"]),
                 gap,
@@ -1183,7 +1216,13 @@ def table_qerl_study() -> str:
                 f"{statistics.median(x['step_time_s'] for x in steps):.0f} s",
             ]
         )
-    head = ["seed", "dtype", "arm", "held-out accuracy, steps 0 -> 5 -> 10", "vs LoRA (points)"]
+    head = [
+        "seed",
+        "dtype (×n: n runs, same result)",
+        "arm",
+        "held-out accuracy, steps 0 -> 5 -> 10",
+        "vs LoRA (points)",
+    ]
     head += ["reward, steps 6-10", "flat groups", "k3 max", "step time"]
     return md(head, out, "rlllrrrrr") + source("study_qerl_smollm2.json")
 
