@@ -421,7 +421,9 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
         metrics = trainer.step(rollout, advantages)
         if noisy_policy:
             aqn.remove_(policy)
+        t_sync = time.perf_counter()
         sync_rollout_model()
+        t_sync = time.perf_counter() - t_sync
         step_time = time.perf_counter() - t0
 
         # metrics of the global batch: every rank's rows, in rank order
@@ -435,6 +437,7 @@ def run(cfg: Config, resume: bool = False, log=print, force: bool = False) -> li
             "response_len": num_tokens / response_mask.shape[0],
             "tokens_per_s": num_tokens / step_time,
             "rollout_time_s": t_rollout,
+            "sync_time_s": t_sync,  # the rollout copy refreshed: a copy, a cast, a re-quantization or GPTQ
             "trainable_params": trainer.trainable_parameters,
             "step_time_s": step_time,
             **reuse_metrics,

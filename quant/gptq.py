@@ -15,6 +15,7 @@ The result is an ordinary QuantizedTensor: the format, the scales and the run-ti
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterable
 
@@ -38,6 +39,9 @@ __all__ = [
 LAZY_COLUMNS = 128
 # The most weight elements one batched loop holds (gptq_requantize_): its working set is ~5 float32 copies.
 BATCH_ELEMENTS = 64 * 2**20
+# Padded tokens per calibration forward (collect_hessians): rows enough for the products to run at full
+# speed, activations of a few MB each on a small model.
+CALIBRATION_BATCH_TOKENS = 2048
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -46,11 +50,18 @@ def _is_linear(module: nn.Module) -> bool:
 
 @torch.no_grad()
 def collect_hessians(
-    model: nn.Module, sequences: Iterable[torch.Tensor], names: Iterable[str] | None = None
+    model: nn.Module,
+    sequences: Iterable[torch.Tensor],
+    names: Iterable[str] | None = None,
+    batch_tokens: int = CALIBRATION_BATCH_TOKENS,
 ) -> dict[str, torch.Tensor]:
     """``X^T X / tokens`` (float32 [in, in]) of the input X of each linear (``nn.Linear`` or transformers
-    ``Conv1D``) of ``model`` over ``sequences`` (int64 token ids [T] each, run one at a time so that no
-    padding enters).
+    ``Conv1D``) of ``model`` (a causal LM) over ``sequences`` (int64 token ids [T] each).
+
+    The sequences run in right-padded batches of up to ``batch_tokens`` padded tokens, like lengths
+    together: under the causal mask no real token sees a pad, and the pads' rows stay out of the sums. Where
+    the LM head is not among the linears collected and the model's forward takes ``logits_to_keep``, only
+    the last position's logits are formed (the head is the largest product of a small model's forward).
 
     names: the linears to collect (default: every one); a name the model lacks is a ValueError. Linears that
     read the same tensor (q/k/v, gate/up) get the same Hessian object."""
@@ -59,49 +70,81 @@ def collect_hessians(
     missing = [n for n in wanted if n not in modules or not _is_linear(modules[n])]
     if missing:
         raise ValueError(f"collect_hessians: the model has no linear {missing[0]!r}")
+    sequences = list(sequences)
+    for seq in sequences:
+        if seq.dim() != 1 or seq.numel() == 0 or seq.dtype != torch.int64:
+            raise ValueError(
+                f"sequences: each must be a non-empty 1-D int64 tensor of ids, got {seq.dtype} "
+                f"{tuple(seq.shape)}"
+            )
     sums: dict[str, torch.Tensor] = {}
     counts = dict.fromkeys(wanted, 0)
-    # Linears that read one tensor (q/k/v, gate/up) share one sum, found on the first sequence: the input
+    # Linears that read one tensor (q/k/v, gate/up) share one sum, found on the first batch: the input
     # each linear reads, by identity, and the first reader of each (the inputs held, so that no id is reused).
     first_reader: dict[int, tuple[torch.Tensor, str]] = {}
     shares: dict[str, str] = {}
+    real = torch.zeros(0, dtype=torch.bool)  # the batch's real (not pad) tokens, [B * T]
 
     def hook(name):
         def accumulate(module, args):
-            counts[name] += args[0].numel() // args[0].shape[-1]
+            width = args[0].shape[-1]
             if name not in sums:
                 owner = first_reader.setdefault(id(args[0]), (args[0], name))[1]
                 if owner != name:
                     shares[name] = owner
                     sums[name] = sums[owner]
+                    counts[name] = None  # counted by its owner
                     return
-                sums[name] = args[0].new_zeros(args[0].shape[-1], args[0].shape[-1], dtype=torch.float32)
+                sums[name] = args[0].new_zeros(width, width, dtype=torch.float32)
             elif name in shares:
                 return
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+            x = args[0].detach().reshape(-1, width)[real].to(torch.float32)
+            counts[name] += x.shape[0]
             sums[name].addmm_(x.t(), x)
 
         return accumulate
 
-    handles = [modules[n].register_forward_pre_hook(hook(n)) for n in wanted]
     device = next(model.parameters()).device
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kwargs = {}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters and not any(
+        modules[n] is head for n in wanted
+    ):
+        kwargs["logits_to_keep"] = 1
+    handles = [modules[n].register_forward_pre_hook(hook(n)) for n in wanted]
     try:
-        for seq in sequences:
-            if seq.dim() != 1 or seq.numel() == 0 or seq.dtype != torch.int64:
-                raise ValueError(
-                    f"sequences: each must be a non-empty 1-D int64 tensor of ids, got {seq.dtype} "
-                    f"{tuple(seq.shape)}"
-                )
-            model(seq.to(device)[None])
+        for batch in _length_batches(sequences, batch_tokens):
+            longest = max(len(s) for s in batch)
+            ids = torch.zeros(len(batch), longest, dtype=torch.int64)
+            real = torch.zeros(len(batch), longest, dtype=torch.bool)
+            for row, seq in enumerate(batch):
+                ids[row, : len(seq)] = seq
+                real[row, : len(seq)] = True
+            mask = real.to(device)
+            real = mask.reshape(-1)
+            model(ids.to(device), attention_mask=mask.long(), **kwargs)
             first_reader.clear()
     finally:
         for h in handles:
             h.remove()
+    counts = {n: counts[shares.get(n, n)] for n in wanted}
     unreached = [n for n in wanted if not counts[n]]
     if unreached:
         raise ValueError(f"collect_hessians: no input reached {unreached[0]!r} (no sequence given?)")
     means = {n: sums[n] / counts[n] for n in wanted if n not in shares}
     return {n: means[shares.get(n, n)] for n in wanted}
+
+
+def _length_batches(sequences: list[torch.Tensor], batch_tokens: int) -> list[list[torch.Tensor]]:
+    """The sequences by ascending length, in batches of at most ``batch_tokens`` padded tokens (one
+    sequence longer than that runs alone)."""
+    batches: list[list[torch.Tensor]] = []
+    for seq in sorted(sequences, key=len):  # stable: equal lengths keep their order
+        if batches and (len(batches[-1]) + 1) * len(seq) <= batch_tokens:
+            batches[-1].append(seq)
+        else:
+            batches.append([seq])
+    return batches
 
 
 def _inverse_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:

@@ -172,6 +172,26 @@ def test_collected_hessians_are_the_layers_input_second_moments():
         collect_hessians(model, [])
 
 
+def test_hessians_of_padded_batches_are_those_of_each_sequence_alone():
+    # Batches of unequal lengths, right-padded: the pads must reach neither a real token nor the sums. The
+    # LM head's Hessian (its input: the final norm's output) is checked against the base model run alone.
+    model = tiny_llama()
+    seqs = sequences(9, seed=1)
+    batched = collect_hessians(model, seqs, batch_tokens=64)  # several batches, each with pads
+    alone = collect_hessians(model, seqs, batch_tokens=1)  # one sequence per forward, no pad
+    assert sorted(batched) == sorted(alone)
+    for name in alone:
+        assert (batched[name] - alone[name]).abs().max() <= 1e-5 * alone[name].abs().max(), name
+    with torch.no_grad():
+        h = torch.cat([model.model(s[None]).last_hidden_state[0] for s in seqs])
+    want = h.t() @ h / h.shape[0]
+    assert (batched["lm_head"] - want).abs().max() <= 1e-5 * want.abs().max()
+    # without the head among the names its logits are left out (logits_to_keep): the rest is unchanged
+    body = [n for n in alone if n != "lm_head"]
+    for name, got in collect_hessians(model, seqs, names=body, batch_tokens=64).items():
+        assert (got - alone[name]).abs().max() <= 1e-5 * alone[name].abs().max(), name
+
+
 def logit_error(model, reference, seqs) -> float:
     with torch.no_grad():
         return sum(float((model(s[None]).logits - reference(s[None]).logits).pow(2).mean()) for s in seqs)

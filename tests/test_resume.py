@@ -19,6 +19,7 @@ TIMING = {
     "step_time_s",
     "old_logprobs_time_s",
     "update_time_s",
+    "sync_time_s",
     "reuse_verify_time_s",
     "reuse_rollout_time_s",
 }
