@@ -94,6 +94,24 @@ def test_bench_attention_cpu_times_both_forms_and_checks_its_width(tmp_path):
         bench_attention_cpu.main([*args[:-1], "9", "--columns", "8"])
 
 
+def test_bench_gptq_sync_times_the_hessians_and_the_loop(tmp_path):
+    """The GPTQ sync benchmark on the tiny demo model: every batch size timed, whole syncs re-round every FP4
+    layer, the JSON written."""
+    from bitrl.benchmarks import bench_gptq_sync
+
+    out = tmp_path / "gptq_sync.json"
+    sets = [*TINY_DEMO_MODEL, "rollout.gptq=true", "rollout.gptq_prompts=4"]
+    result = bench_gptq_sync.main(
+        ["--demo", "--batch-tokens", "1", "32", "--reps", "1", "--out", str(out), "--set", *sets]
+    )
+    assert json.loads(out.read_text()) == result
+    assert set(result["hessians_s"]) == {"1", "32", str(result["library_batch_tokens"])}
+    assert result["gptq_layers"] > 0 and result["calibration_sequences"] == 4
+    assert result["sync_s"] > 0 and all(t > 0 for t in result["hessians_s"].values())
+    with pytest.raises(SystemExit, match="--batch-tokens must be >= 1"):
+        bench_gptq_sync.main(["--demo", "--batch-tokens", "0"])
+
+
 def test_gemm_meter_counts_products_and_rounds_bf16_once():
     """The bf16 stand-in: fp32 sums of the bf16 operands, rounded once; every product form counted."""
     from bitrl.benchmarks.bench_gemm_floor import GemmMeter
