@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from . import reference as ref
 from .formats import get_format
@@ -114,13 +115,9 @@ def collect_hessians(
     handles = [modules[n].register_forward_pre_hook(hook(n)) for n in wanted]
     try:
         for batch in _length_batches(sequences, batch_tokens):
-            longest = max(len(s) for s in batch)
-            ids = torch.zeros(len(batch), longest, dtype=torch.int64)
-            real = torch.zeros(len(batch), longest, dtype=torch.bool)
-            for row, seq in enumerate(batch):
-                ids[row, : len(seq)] = seq
-                real[row, : len(seq)] = True
-            mask = real.to(device)
+            ids = pad_sequence(batch, batch_first=True)  # right-padded with id 0
+            lengths = torch.tensor([len(s) for s in batch])
+            mask = (torch.arange(ids.shape[1]) < lengths[:, None]).to(device)
             real = mask.reshape(-1)
             model(ids.to(device), attention_mask=mask.long(), **kwargs)
             first_reader.clear()
