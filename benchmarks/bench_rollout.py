@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from bitrl.kernels.bench_stats import machine
+from bitrl.kernels.packed_linear import pack_linear, packed_linear
 from bitrl.kernels.weight_major import (
     WEIGHT_MAJOR_MAX_ROWS,
     WEIGHT_MAJOR_MIN_ROWS,
@@ -124,15 +125,35 @@ def linear_products(model, rows: int, passes: int = 16) -> float:
 
 
 def floor_products(model, rows: int) -> list:
-    """One call per linear layer of `model` at `rows` random rows, each in the form a decode step takes: the
-    layers' products weight-major where the decoder keeps the step feature-major (`weight @ x_t`), the head's
-    by `use_weight_major`, otherwise x @ weight.T."""
+    """One call per product of a decode step of `model` at `rows` random rows, each in the form the decoder
+    takes: packed (each layer's q, k, v and gate, up stacked into one product) where the CPU has packed
+    products for the dtype; else the layers' products weight-major where the decoder keeps the step
+    feature-major (`weight @ x_t`), the head's by `use_weight_major`, otherwise x @ weight.T."""
     from bitrl.rollout.decoder import Decoder
 
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     head = model.get_output_embeddings()
     dtype = linears[0].weight.dtype
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
+    if Decoder(model).packed_products:  # each layer's q, k, v and gate, up stacked, as the decoder runs them
+        groups = [
+            group
+            for layer in model.model.layers
+            for group in (
+                (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                (layer.self_attn.o_proj,),
+                (layer.mlp.gate_proj, layer.mlp.up_proj),
+                (layer.mlp.down_proj,),
+            )
+        ] + [(head,)]
+        return [
+            partial(
+                packed_linear,
+                inputs[g[0].in_features],
+                pack_linear([m.weight for m in g], [m.bias for m in g]),
+            )
+            for g in groups
+        ]
     inputs_t = {k: x.t().contiguous() for k, x in inputs.items()}
     layers_weight_major = (
         Decoder(model).weight_major_layers and WEIGHT_MAJOR_MIN_ROWS <= rows <= WEIGHT_MAJOR_MAX_ROWS

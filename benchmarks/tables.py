@@ -174,12 +174,15 @@ def table_rollout() -> str:
     return md(head, rows, "llllrrrrrrrrrr") + source(*ROLLOUT_FILES)
 
 
+HEAD_FILES = ("bench_head.json", "bench_head_avx512_bf16.json")
+
+
 def table_head_forms() -> str:
-    """bench_head.py: the LM head at a decode step's rows, torch's product against the weight-major blocks."""
-    name = "bench_head.json"
-    d = load(name)
+    """bench_head.py: the LM head at a decode step's rows, torch's product against the weight-major blocks,
+    on each CPU kind."""
     rows = [
         [
+            recorded_cpu(d),
             r["dtype"],
             r["rows"],
             f"{r['torch_ms']:.1f} ms ({r['torch_gflops']:.0f} GFLOP/s)",
@@ -188,9 +191,11 @@ def table_head_forms() -> str:
             "yes" if r["same_bits"] else "no",
             "weight-major" if r["decoder_takes_weight_major"] else "torch",
         ]
+        for d in map(load, HEAD_FILES)
         for r in d["rows"]
     ]
     head = [
+        "CPU",
         "dtype",
         "rows",
         "torch x @ W.T",
@@ -199,7 +204,7 @@ def table_head_forms() -> str:
         "same bits",
         "decoder's form",
     ]
-    return md(head, rows, "lrrrrll") + source(name)
+    return md(head, rows, "llrrrrll") + source(*HEAD_FILES)
 
 
 # --------------------------------------------------------------------------------------------- reuse
@@ -1261,6 +1266,7 @@ DESCRIPTIONS = {
     "floor of their products, SmolLM2-135M, bf16 and fp32",
     "bench_rollout_floor_avx2_fp32_64x128.json": "the same in fp32 on a CPU without bf16 units (AVX2 only)",
     "bench_head.json": "the LM head at a decode step's rows: torch's product against the weight-major blocks",
+    "bench_head_avx512_bf16.json": "the same on a CPU with bf16 units (AVX-512 BF16)",
     "bench_trainer.json": "update throughput and memory at SmolLM2-135M's size",
     "bench_trainer_avx2_fp32.json": "the same in fp32 on a CPU without bf16 units, with checkpointing",
     "kernel_resources.json": "every Triton specialization compiled for sm_90 / sm_100",
@@ -1298,7 +1304,7 @@ def table_index() -> str:
 # name -> (page, renderer, results files read)
 TABLES: dict[str, tuple[str, Callable[[], str], tuple[str, ...]]] = {
     "rollout": ("rollout.md", table_rollout, ROLLOUT_FILES),
-    "head-forms": ("rollout.md", table_head_forms, ("bench_head.json",)),
+    "head-forms": ("rollout.md", table_head_forms, HEAD_FILES),
     "reuse-12seeds": ("rollout.md", table_reuse_12seeds, ("bench_reuse_12seeds.json",)),
     "reuse-lenience": ("rollout.md", table_reuse_lenience, ("bench_reuse_lenience_6seeds.json",)),
     "reuse-16epochs": ("rollout.md", table_reuse_16epochs, ("bench_reuse_16epochs_12seeds.json",)),

@@ -16,7 +16,7 @@ import torch
 
 from bitrl.kernels.sampling import draw_step_seed, sample_seeds
 from bitrl.rollout.batch import Rollout, distinct_prompts
-from bitrl.rollout.decode_loop import Contexts, Outputs, compiled_next_tokens, decode, draw
+from bitrl.rollout.decode_loop import Contexts, Outputs, compiled_next_tokens, decode, draw, next_tokens
 from bitrl.rollout.decoder import Decoder, prefill
 from bitrl.rollout.settings import EngineOptions, Sampling
 
@@ -48,8 +48,10 @@ class RolloutEngine:
         self.model = model
         self.sampling = sampling
         self.options = options if options is not None else EngineOptions()
-        self.decoder = Decoder(model, aligned=self.options.aligned)
-        self.next_tokens = compiled_next_tokens(self.options, self.decoder.device)
+        device = model.get_input_embeddings().weight.device
+        self.next_tokens = compiled_next_tokens(self.options, device)
+        eager = self.next_tokens is next_tokens
+        self.decoder = Decoder(model, aligned=self.options.aligned, packed=eager)
 
     @property
     def device(self) -> torch.device:

@@ -193,15 +193,38 @@ def test_rollout_kv_floor_counts_each_decode_tokens_context():
     assert bench_rollout.stream_bandwidth(megabytes=8, passes=1) > 1e8
 
 
-def test_rollout_floor_times_each_product_in_the_decode_steps_form():
-    """bench_rollout's floor: one product per linear layer in the form the decoder takes (counted as
-    x @ weight.T they would let the engine beat its own floor): the layers' weight-major at 16-256 rows, the
-    wide fp32 head by blocks, whatever the weights' requires_grad."""
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="packed products need oneDNN")
+def test_rollout_floor_packs_the_products_where_the_decoder_does(monkeypatch):
+    """Where the decoder packs its products, the floor times them packed and stacked as it runs them: each
+    layer's q, k, v as one product, o, gate and up as one, down; then the head."""
     from conftest import TINY_QWEN, make_qwen
 
+    import bitrl.rollout.decoder as decoder
+    from bitrl.benchmarks import bench_rollout
+    from bitrl.kernels.packed_linear import packed_linear
+
+    monkeypatch.setattr(decoder, "use_packed_linear", lambda dtype, device: True)
+    model = make_qwen(**TINY_QWEN)
+    products = bench_rollout.floor_products(model, rows=64)
+    assert len(products) == 2 * 4 + 1 and all(p.func is packed_linear for p in products)
+    q, k, v = (getattr(model.model.layers[0].self_attn, f"{n}_proj") for n in "qkv")
+    assert products[0].args[1].out_features == q.out_features + k.out_features + v.out_features
+    assert products[0].args[1].bias is not None  # Qwen2's q, k, v biases, stacked
+    assert products[-1].args[1].out_features == model.config.vocab_size
+    assert bench_rollout.linear_products(model, rows=64, passes=1) > 0
+
+
+def test_rollout_floor_times_each_product_in_the_decode_steps_form(monkeypatch):
+    """bench_rollout's floor: one product per linear layer in the form the decoder takes (counted as
+    x @ weight.T they would let the engine beat its own floor): without packed products, the layers'
+    weight-major at 16-256 rows, the wide fp32 head by blocks, whatever the weights' requires_grad."""
+    from conftest import TINY_QWEN, make_qwen
+
+    import bitrl.rollout.decoder as decoder
     from bitrl.benchmarks import bench_rollout
     from bitrl.kernels.weight_major import WEIGHT_MAJOR_BLOCK, weight_major_linear
 
+    monkeypatch.setattr(decoder, "use_packed_linear", lambda dtype, device: False)
     model = make_qwen(**{**TINY_QWEN, "vocab_size": WEIGHT_MAJOR_BLOCK + 100})
     assert model.lm_head.weight.requires_grad
     products = bench_rollout.floor_products(model, rows=64)

@@ -424,6 +424,52 @@ def test_host_norms_and_mlp_of_a_cpu_decode_step_match_the_modules(tiny_qwen, dt
     torch.testing.assert_close(a.logprobs[same], b.logprobs[same], atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="packed products need oneDNN")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_decode_step_matches_the_plain_one_and_follows_weight_syncs(arch, monkeypatch):
+    """Where the CPU packs products, the decoder runs every plain linear layer packed (q, k, v and gate, up
+    stacked; Qwen2's biases included): the samples and log-probs of the modules' own products up to their
+    rounding; a weight synced in place is packed again before the next rollout samples from it."""
+    from conftest import TINY_QWEN, make_qwen
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bitrl.kernels import packed_linear
+
+    monkeypatch.setattr("bitrl.rollout.decoder.use_packed_linear", lambda dtype, device: True)
+    if arch == "llama":
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY_QWEN, "head_dim": 16})).eval()
+    else:
+        model = make_qwen(**TINY_QWEN)
+    sampling = Sampling(max_new_tokens=10, eos_id=-1, pad_id=0)
+    prompts = _prompts() * 8
+    packed = RolloutEngine(model, sampling)
+    assert packed.decoder.packed_products and not packed.decoder.weight_major_layers
+    plain = RolloutEngine(model, sampling)
+    plain.decoder.packed_products = False
+    calls = []
+    real = packed_linear.packed_linear
+    monkeypatch.setattr("bitrl.rollout.decoder.packed_linear", lambda *a: calls.append(1) or real(*a))
+    a = packed.generate(prompts, generator=torch.Generator().manual_seed(4))
+    layers = model.config.num_hidden_layers
+    assert len(calls) >= 10 * (4 * layers + 1)  # every step: 4 products per layer, the head
+    calls.clear()
+    b = plain.generate(prompts, generator=torch.Generator().manual_seed(4))
+    assert not calls
+    same = (a.response_ids == b.response_ids).all(-1)
+    assert same.float().mean() >= 0.9
+    torch.testing.assert_close(a.logprobs[same], b.logprobs[same], atol=1e-5, rtol=1e-5)
+
+    with torch.no_grad():  # a sync in place, as the trainer's weights reach the rollout copy
+        for p in model.parameters():
+            p.mul_(1.5)
+    a = packed.generate(prompts, generator=torch.Generator().manual_seed(5))
+    b = plain.generate(prompts, generator=torch.Generator().manual_seed(5))
+    same = (a.response_ids == b.response_ids).all(-1)
+    assert same.float().mean() >= 0.9
+    torch.testing.assert_close(a.logprobs[same], b.logprobs[same], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_weight_major_decode_step_matches_the_row_major_one(arch, monkeypatch):
     """At 16-256 rows an fp32 CPU decode step keeps its activations feature-major and runs every product
@@ -445,6 +491,7 @@ def test_weight_major_decode_step_matches_the_row_major_one(arch, monkeypatch):
         model = make_qwen(**TINY_QWEN)
     sampling = Sampling(max_new_tokens=12, eos_id=-1, pad_id=0)
     prompts = _prompts() * 8  # 24 rows decoding at once
+    monkeypatch.setattr("bitrl.rollout.decoder.use_packed_linear", lambda dtype, device: False)
     fast = RolloutEngine(model, sampling)
     assert fast.decoder.weight_major_layers
     plain = RolloutEngine(model, sampling)
