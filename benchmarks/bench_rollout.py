@@ -126,8 +126,8 @@ def linear_products(model, rows: int, passes: int = 16) -> float:
 
 def floor_products(model, rows: int) -> list:
     """One call per product of a decode step of `model` at `rows` random rows, each in the form the decoder
-    takes: packed (each layer's q, k, v and gate, up stacked into one product) where the CPU has packed
-    products for the dtype; else the layers' products weight-major where the decoder keeps the step
+    takes: packed (each layer's q, k, v stacked into one product; without the elementwise steps the decoder
+    fuses into them) where the CPU has packed products for the dtype; else the layers' products weight-major where the decoder keeps the step
     feature-major (`weight @ x_t`), the head's by `use_weight_major`, otherwise x @ weight.T."""
     from bitrl.rollout.decoder import Decoder
 
@@ -135,14 +135,15 @@ def floor_products(model, rows: int) -> list:
     head = model.get_output_embeddings()
     dtype = linears[0].weight.dtype
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
-    if Decoder(model).packed_products:  # each layer's q, k, v and gate, up stacked, as the decoder runs them
+    if Decoder(model).packed_products:  # each layer's q, k, v stacked, as the decoder runs them
         groups = [
             group
             for layer in model.model.layers
             for group in (
                 (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                 (layer.self_attn.o_proj,),
-                (layer.mlp.gate_proj, layer.mlp.up_proj),
+                (layer.mlp.gate_proj,),
+                (layer.mlp.up_proj,),
                 (layer.mlp.down_proj,),
             )
         ] + [(head,)]

@@ -1275,6 +1275,8 @@ DESCRIPTIONS = {
     "study_4bit_demo.json": "the same on the demo's model",
     "model_4bit_cost.json": "each 4-bit remedy's GPU cost, modelled from the study's bits and the shapes",
     "bench_real_gptq_10steps.json": "RL on SmolLM2-135M with the default (GPTQ) 4-bit recipes, 10 steps",
+    "bench_gptq_sync_smollm2.json": "a GPTQ copy's sync on SmolLM2-135M: the Hessians' forward by batch "
+    "size, the column loop",
 }
 
 

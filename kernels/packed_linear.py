@@ -108,15 +108,37 @@ def pack_linear(weights, biases=None) -> PackedLinear:
     return PackedLinear(packed, bias, stacked.shape[0], _key(weights))
 
 
-def packed_linear(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
-    """x [..., K] @ the packed weights.T (+ bias) -> [..., sum O_i] in x's dtype (the weights')."""
+def packed_linear(
+    x: torch.Tensor,
+    packed: PackedLinear,
+    *,
+    silu: bool = False,
+    add: torch.Tensor | None = None,
+    mul: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x [..., K] @ the packed weights.T (+ bias) -> [..., sum O_i] in x's dtype (the weights'), with at
+    most one elementwise step fused into the product (applied to its fp32 accumulator, rounded once):
+    silu(y), y + add or y * mul (add, mul: [..., sum O_i] in x's dtype). A decode step's MLP is then
+    down(up(h) * silu(gate(h))) + residual in three calls, the attention's o_proj(o) + residual in one."""
     if x.dtype != packed.weight.dtype:
         raise ValueError(f"packed_linear: x is {x.dtype}, the packed weights {packed.weight.dtype}")
     if x.shape[-1] != packed.weight.shape[1]:
         raise ValueError(f"packed_linear: x [..., {packed.weight.shape[1]}] expected, got {list(x.shape)}")
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError("packed_linear: no autograd (a forward for generation)")
-    return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+    if silu + (add is not None) + (mul is not None) > 1:
+        raise ValueError("packed_linear: at most one of silu, add, mul")
+    other, attr = (add, "add") if add is not None else (mul, "mul")
+    if other is None:
+        return torch.ops.mkldnn._linear_pointwise(
+            x, packed.weight, packed.bias, "silu" if silu else "none", [], ""
+        )
+    shape = (*x.shape[:-1], packed.out_features)
+    if other.shape != shape or other.dtype != x.dtype:
+        raise ValueError(
+            f"packed_linear: {attr} must be {list(shape)} {x.dtype}, got {list(other.shape)} {other.dtype}"
+        )
+    return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed.weight, packed.bias, attr)
 
 
 def packed_linear_reference(x: torch.Tensor, weights, biases=None) -> torch.Tensor:

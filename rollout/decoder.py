@@ -364,8 +364,8 @@ class Decoder:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         o = attend(i, q, k, v).view(rows, self.heads, steps, self.head_dim)
-        x = x + self._linear(attn.o_proj, o.transpose(1, 2).reshape(rows, steps, -1))
-        return x + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x, host), host)
+        x = self._linear(attn.o_proj, o.transpose(1, 2).reshape(rows, steps, -1), residual=x)
+        return self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x, host), x, host)
 
     def _layer_weight_major(self, i, layer, x_t, cos, sin, attend, store):
         """`_layer`'s host path on feature-major activations x_t [H, N] (N = R * T tokens): each product is
@@ -426,11 +426,16 @@ class Decoder:
             return norm(x)
         return aligned_rms_norm(x, norm.weight.to(self.dtype), norm.variance_epsilon)
 
-    def _linear(self, module, x):
+    def _linear(self, module, x, residual=None):
+        """module(x) (+ residual)."""
         if self.aligned:
-            return aligned_linear(x, *linear_weights(module, self.dtype))
-        packed = self._packed((module,))
-        return module(x) if packed is None else packed_linear(x, packed)
+            y = aligned_linear(x, *linear_weights(module, self.dtype))
+        else:
+            packed = self._packed((module,))
+            if packed is not None:
+                return packed_linear(x, packed, add=residual)  # the residual added in the product
+            y = module(x)
+        return y if residual is None else residual + y
 
     def _products(self, modules, x):
         """Each linear module's output on x: views into one stacked product where they are packed."""
@@ -462,11 +467,16 @@ class Decoder:
             packed = self._packs[key] = pack_linear(weights, [m.bias for m in modules])
         return packed
 
-    def _mlp(self, mlp, x, host=False):
+    def _mlp(self, mlp, x, residual, host=False):
+        """residual + the MLP of x."""
         if not (self.aligned or host):
-            return mlp(x)
-        gate, up = self._products((mlp.gate_proj, mlp.up_proj), x)
-        return self._linear(mlp.down_proj, aligned_silu_mul(gate, up))
+            return residual + mlp(x)
+        gate, up = self._packed((mlp.gate_proj,)), self._packed((mlp.up_proj,))
+        if gate is not None and up is not None:  # up(x) * silu(gate(x)), each step fused into a product
+            gated = packed_linear(x, up, mul=packed_linear(x, gate, silu=True))
+        else:
+            gated = aligned_silu_mul(self._linear(mlp.gate_proj, x), self._linear(mlp.up_proj, x))
+        return self._linear(mlp.down_proj, gated, residual=residual)
 
     def _rotary(self, x, positions):
         if not self.aligned:

@@ -196,7 +196,7 @@ def test_rollout_kv_floor_counts_each_decode_tokens_context():
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="packed products need oneDNN")
 def test_rollout_floor_packs_the_products_where_the_decoder_does(monkeypatch):
     """Where the decoder packs its products, the floor times them packed and stacked as it runs them: each
-    layer's q, k, v as one product, o, gate and up as one, down; then the head."""
+    layer's q, k, v as one product, o, gate, up, down; then the head."""
     from conftest import TINY_QWEN, make_qwen
 
     import bitrl.rollout.decoder as decoder
@@ -206,7 +206,7 @@ def test_rollout_floor_packs_the_products_where_the_decoder_does(monkeypatch):
     monkeypatch.setattr(decoder, "use_packed_linear", lambda dtype, device: True)
     model = make_qwen(**TINY_QWEN)
     products = bench_rollout.floor_products(model, rows=64)
-    assert len(products) == 2 * 4 + 1 and all(p.func is packed_linear for p in products)
+    assert len(products) == 2 * 5 + 1 and all(p.func is packed_linear for p in products)
     q, k, v = (getattr(model.model.layers[0].self_attn, f"{n}_proj") for n in "qkv")
     assert products[0].args[1].out_features == q.out_features + k.out_features + v.out_features
     assert products[0].args[1].bias is not None  # Qwen2's q, k, v biases, stacked

@@ -82,6 +82,38 @@ def test_packed_linear_keeps_nan_and_inf_where_the_product_has_them(dtype):
 
 
 @needs_onednn
+@pytest.mark.parametrize("dtype", list(_dtypes()))
+def test_the_steps_fused_into_the_product_are_those_of_its_result(dtype):
+    """silu(y), y + add and y * mul on the product's accumulator, rounded once: within one rounding of the
+    dtype (plus the sum's) of the formula on the exact product; a NaN in add or mul reaches the output."""
+    g = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(9, 24, generator=g).to(dtype), torch.randn(40, 24, generator=g).to(dtype)
+    bias = torch.randn(40, generator=g).to(dtype)
+    other = torch.randn(9, 40, generator=g).to(dtype)
+    other[2, 5] = float("nan")
+    packed = pack_linear([weight], [bias])
+    exact = packed_linear_reference(x, [weight], [bias])
+    bound = _bound(x, [weight], dtype) + torch.finfo(dtype).eps * exact.abs()
+    for got, want, scale in (
+        (packed_linear(x, packed, silu=True), exact * torch.sigmoid(exact), 1.1),
+        (packed_linear(x, packed, add=other), exact + other.double(), 1.0),
+        (packed_linear(x, packed, mul=other), exact * other.double(), other.double().abs()),
+    ):
+        assert got.dtype == dtype and got.shape == (9, 40)
+        err = (got.double() - want).abs()
+        ok = (err <= scale * bound + torch.finfo(dtype).eps * want.abs()) | (got.isnan() & want.isnan())
+        assert ok.all(), f"max error {err[~ok].max().item()}"
+    assert (
+        packed_linear(x, packed, add=other)[2, 5].isnan()
+        and packed_linear(x, packed, mul=other)[2, 5].isnan()
+    )
+    with pytest.raises(ValueError, match="at most one of silu, add, mul"):
+        packed_linear(x, packed, silu=True, add=other)
+    with pytest.raises(ValueError, match="add must be \\[9, 40\\]"):
+        packed_linear(x, packed, add=other[:, :3])
+
+
+@needs_onednn
 def test_packed_weights_say_when_they_are_stale():
     weight = torch.nn.Parameter(torch.randn(6, 4))
     packed = pack_linear([weight])
