@@ -126,9 +126,10 @@ def linear_products(model, rows: int, passes: int = 16) -> float:
 
 def floor_products(model, rows: int) -> list:
     """One call per product of a decode step of `model` at `rows` random rows, each in the form the decoder
-    takes: packed (each layer's q, k, v stacked into one product; without the elementwise steps the decoder
-    fuses into them) where the CPU has packed products for the dtype; else the layers' products weight-major where the decoder keeps the step
-    feature-major (`weight @ x_t`), the head's by `use_weight_major`, otherwise x @ weight.T."""
+    takes: packed (each layer's q, k, v stacked into one product; without the elementwise steps the
+    decoder fuses into them) where the CPU has packed products for the dtype; else the layers' products
+    weight-major where the decoder keeps the step feature-major (`weight @ x_t`), the head's by
+    `use_weight_major`, otherwise x @ weight.T."""
     from bitrl.rollout.decoder import Decoder
 
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]

@@ -187,24 +187,6 @@ void silu_mul(const void* gate, const void* up, void* out, int64_t n, int bf16) 
   }
 }
 
-// The same over rows: gate and up [rows, cols] with row stride ld (elements; e.g. the two halves of a
-// stacked gate_up product), out [rows, cols] contiguous.
-void silu_mul_rows(const void* gate, const void* up, void* out, int64_t rows, int64_t cols, int64_t ld,
-                   int bf16) {
-  const int64_t size = bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) if (rows * cols >= (1 << 14))
-  for (int64_t r = 0; r < rows; ++r) {
-    const char* g = static_cast<const char*>(gate) + r * ld * size;
-    const char* u = static_cast<const char*>(up) + r * ld * size;
-    char* o = static_cast<char*>(out) + r * cols * size;
-    if (bf16) {
-      silu_mul_chunk_bf16(g, u, o, 0, cols);
-    } else {
-      silu_mul_chunk_f32(g, u, o, 0, cols);
-    }
-  }
-}
-
 // One logits row z [v] at u = z * inv_t: lse = max + log(sum 2^((u - max) log2 e)), logprob = u[target] - lse
 // (0 for target < 0), entropy = lse - sum p u. A NaN anywhere in the row makes both NaN.
 template <bool kBf16>
@@ -288,12 +270,6 @@ void bitrl_rms_norm_columns(const void* x, const void* w, void* out, int64_t h, 
 // gate, up, out: n contiguous elements, all bf16 or all fp32.
 void bitrl_aligned_silu_mul(const void* gate, const void* up, void* out, int64_t n, int bf16) {
   silu_mul(gate, up, out, n, bf16);
-}
-
-// gate, up: [rows, cols] with row stride ld (elements), out: [rows, cols] contiguous; all bf16 or all fp32.
-void bitrl_aligned_silu_mul_rows(const void* gate, const void* up, void* out, int64_t rows, int64_t cols,
-                                 int64_t ld, int bf16) {
-  silu_mul_rows(gate, up, out, rows, cols, ld, bf16);
 }
 
 // z: [rows, v] with row stride ld (elements); targets: [rows] int64 (< 0: no target); lp, entropy: [rows] fp32.

@@ -244,21 +244,12 @@ def column_rms_norm(x_t: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 
 
 def _silu_mul_forward(gate, up):
-    """gate, up [N, I]: contiguous, or (CPU) rows of one stride with their features contiguous (the two
-    halves of a stacked gate_up product, read where they lie). Returns [N, I] contiguous."""
     if gate.device.type == "cuda":
-        return _triton().invariant_silu_mul(gate.contiguous(), up.contiguous())
-    if gate.stride(-1) != 1 or up.stride(-1) != 1 or gate.stride(0) != up.stride(0):
-        gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    bf16 = int(gate.dtype == torch.bfloat16)
-    rows, cols = gate.shape
-    if gate.is_contiguous():
-        _host().bitrl_aligned_silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), bf16)
-    else:
-        _host().bitrl_aligned_silu_mul_rows(
-            gate.data_ptr(), up.data_ptr(), out.data_ptr(), rows, cols, gate.stride(0), bf16
-        )
+        return _triton().invariant_silu_mul(gate, up)
+    out = torch.empty_like(gate)
+    _host().bitrl_aligned_silu_mul(
+        gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), int(gate.dtype == torch.bfloat16)
+    )
     return out
 
 
@@ -286,11 +277,11 @@ def aligned_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             f"aligned_silu_mul: gate {list(gate.shape)} {gate.dtype}, up {list(up.shape)} {up.dtype}"
         )
     shape = gate.shape
-    gate2, up2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
+    gate2, up2 = gate.reshape(-1, shape[-1]).contiguous(), up.reshape(-1, shape[-1]).contiguous()
     if not _needs_grad(gate, up):
         return _silu_mul_forward(gate2, up2).view(shape)
     with torch.autocast(gate.device.type, enabled=False):
-        return _AlignedSiluMul.apply(gate2.contiguous(), up2.contiguous()).view(shape)
+        return _AlignedSiluMul.apply(gate2, up2).view(shape)
 
 
 # --------------------------------------------------------------------------- log-softmax of logits rows

@@ -107,7 +107,6 @@ def load_host_library() -> ctypes.CDLL | None:
     f32, i32 = ctypes.c_float, ctypes.c_int
     _LIB.bitrl_aligned_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]
     _LIB.bitrl_aligned_silu_mul.argtypes = [ptr, ptr, ptr, i64, i32]
-    _LIB.bitrl_aligned_silu_mul_rows.argtypes = [ptr, ptr, ptr, i64, i64, i64, i32]
     _LIB.bitrl_aligned_logprobs.argtypes = [ptr, ptr, i64, i64, i64, f32, ptr, ptr, i32]
     _LIB.bitrl_rms_norm_columns.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]
     _LIB.bitrl_rope_store.argtypes = [ptr] * 9 + [i64] * 10 + [i32]
@@ -115,7 +114,6 @@ def load_host_library() -> ctypes.CDLL | None:
         "bitrl_aligned_rms_norm",
         "bitrl_rms_norm_columns",
         "bitrl_aligned_silu_mul",
-        "bitrl_aligned_silu_mul_rows",
         "bitrl_aligned_logprobs",
     ):
         getattr(_LIB, fn).restype = None

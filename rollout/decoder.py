@@ -279,9 +279,10 @@ class Decoder:
             )
         ]
         # Where the CPU has oneDNN's packed products for the compute dtype (AVX-512 for fp32, bf16 units for
-        # bf16), a forward without autograd runs every plain nn.Linear through them, a layer's q, k, v (and
-        # gate, up) stacked into one product (bitrl.kernels.packed_linear: 1.3-2.6x faster at 64 rows than
-        # x @ W.T); the packed copies are kept and rebuilt when a weight changes.
+        # bf16), a forward without autograd runs every plain nn.Linear through them (bitrl.kernels.
+        # packed_linear: 1.3-2.6x faster at 64 rows than x @ W.T): a layer's q, k, v stacked into one
+        # product, silu(gate), the multiply by up and both residual adds fused into the products. The packed
+        # copies are kept and rebuilt when a weight changes.
         self.packed_products = packed and not aligned and use_packed_linear(self.dtype, self.device)
         self._packs: dict[tuple, object] = {}
         self.weight_major_layers = (

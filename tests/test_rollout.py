@@ -427,8 +427,8 @@ def test_host_norms_and_mlp_of_a_cpu_decode_step_match_the_modules(tiny_qwen, dt
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="packed products need oneDNN")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_packed_decode_step_matches_the_plain_one_and_follows_weight_syncs(arch, monkeypatch):
-    """Where the CPU packs products, the decoder runs every plain linear layer packed (q, k, v and gate, up
-    stacked; Qwen2's biases included): the samples and log-probs of the modules' own products up to their
+    """Where the CPU packs products, the decoder runs every plain linear layer packed (q, k, v stacked, the
+    MLP's steps and the residual adds fused; Qwen2's biases included): the samples and log-probs of the modules' own products up to their
     rounding; a weight synced in place is packed again before the next rollout samples from it."""
     from conftest import TINY_QWEN, make_qwen
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -449,7 +449,8 @@ def test_packed_decode_step_matches_the_plain_one_and_follows_weight_syncs(arch,
     plain.decoder.packed_products = False
     calls = []
     real = packed_linear.packed_linear
-    monkeypatch.setattr("bitrl.rollout.decoder.packed_linear", lambda *a: calls.append(1) or real(*a))
+    counted = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr("bitrl.rollout.decoder.packed_linear", counted)
     a = packed.generate(prompts, generator=torch.Generator().manual_seed(4))
     layers = model.config.num_hidden_layers
     assert len(calls) >= 10 * (4 * layers + 1)  # every step: 4 products per layer, the head
