@@ -1265,6 +1265,9 @@ DESCRIPTIONS = {
     "bench_rollout_floor_64x128.json": "rollout throughput of the engine and model.generate against the "
     "floor of their products, SmolLM2-135M, bf16 and fp32",
     "bench_rollout_floor_avx2_fp32_64x128.json": "the same in fp32 on a CPU without bf16 units (AVX2 only)",
+    "bench_rollout_floor_packed_2reps_64x128.json": "the rollout table's run with 2 repetitions, before it",
+    "bench_rollout_floor_unpacked_64x128.json": "the same on the same CPU kind, the engine before packed "
+    "products (commit e40343b)",
     "bench_head.json": "the LM head at a decode step's rows: torch's product against the weight-major blocks",
     "bench_head_avx512_bf16.json": "the same on a CPU with bf16 units (AVX-512 BF16)",
     "bench_trainer.json": "update throughput and memory at SmolLM2-135M's size",

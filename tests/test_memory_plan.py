@@ -183,3 +183,17 @@ def test_mmap_threshold_is_the_users_choice_and_auto_pins_cpu_lora_runs_only():
             load_config(overrides=[f"train.mmap_threshold={bad}"])
     # back to the auto pin for the tests after this one (no mallopt call restores glibc's dynamic threshold)
     pin_mmap_threshold(load_config(overrides=["device=cpu", "train.mmap_threshold=128KiB"]))
+
+
+def test_a_cpu_that_packs_the_rollouts_products_plans_their_second_copy(monkeypatch):
+    """Where the eager CPU decoder packs its products, every float linear weight of the rollout copy and the
+    LM head are held once more; not for a quantized copy, a compiled step, or a CPU that does not pack."""
+    monkeypatch.setattr("bitrl.train.memory.use_packed_linear", lambda dtype: True)
+    shape = ModelShape.from_config(SMOLLM2)
+    packed = (shape.linear_params + shape.vocab * shape.hidden) * 4
+    assert plan().parts["rollout_packed"] == packed
+    assert plan("rollout.precision=bf16").parts["rollout_packed"] == packed / 2
+    assert "rollout_packed" not in plan("rollout.precision=nvfp4").parts
+    assert "rollout_packed" not in plan("rollout.compile=true").parts
+    monkeypatch.setattr("bitrl.train.memory.use_packed_linear", lambda dtype: False)
+    assert "rollout_packed" not in plan().parts

@@ -428,8 +428,9 @@ def test_host_norms_and_mlp_of_a_cpu_decode_step_match_the_modules(tiny_qwen, dt
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_packed_decode_step_matches_the_plain_one_and_follows_weight_syncs(arch, monkeypatch):
     """Where the CPU packs products, the decoder runs every plain linear layer packed (q, k, v stacked, the
-    MLP's steps and the residual adds fused; Qwen2's biases included): the samples and log-probs of the modules' own products up to their
-    rounding; a weight synced in place is packed again before the next rollout samples from it."""
+    MLP's steps and the residual adds fused; Qwen2's biases included): the samples and log-probs of the
+    modules' own products up to their rounding; a weight synced in place is packed again before the next
+    rollout samples from it."""
     from conftest import TINY_QWEN, make_qwen
     from transformers import LlamaConfig, LlamaForCausalLM
 

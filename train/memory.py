@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bitrl.kernels.packed_linear import use_packed_linear
 from bitrl.rollout.decode_loop import compiled_width
 
 GiB = 1024**3
@@ -228,12 +229,18 @@ def plan_memory(
         parts["rollout_copy"] = other * model_bytes + shape.linear_params * QUANT_BYTES[precision] + cached
     else:
         parts["rollout_copy"] = shape.params * rollout_bytes
+    # An eager CPU decoder that packs its products (bitrl.kernels.packed_linear) keeps every float linear
+    # weight of the copy, the LM head's included, a second time in the blocked layout.
+    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(precision, cfg.model.dtype)
+    rollout_float = precision not in QUANT_BYTES and not (lora.rank and lora.base_precision != "full")
+    compiled = rollout.compile is True or (rollout.compile == "auto" and device_type == "cuda")
+    if device_type == "cpu" and rollout_float and not compiled and use_packed_linear(getattr(torch, name)):
+        parts["rollout_packed"] = (shape.linear_params + shape.vocab * shape.hidden) * rollout_bytes
     rows = math.ceil(rollout.prompts_per_step * rollout.group_size / world_size)
     seq = prompt_tokens + rollout.max_new_tokens
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * rollout_bytes
     # The decoding slots: a compiled step keeps max_batch_rows of them at a power-of-two width (one graph
     # per shape), an eager one at most that many, as wide as needed.
-    compiled = rollout.compile is True or (rollout.compile == "auto" and device_type == "cuda")
     slots = rollout.max_batch_rows if compiled else min(rows, rollout.max_batch_rows)
     slot_seq = compiled_width(seq) if compiled else seq
     # plus each distinct prompt prefilled once, and each row's fp32 logits and sampling probabilities at one
@@ -275,6 +282,7 @@ def plan_memory(
         "optimizer": "model.lora.rank > 0, or train.master_weights=model",
         "autocast_weights": "model.dtype=float32 with train.autocast=none, or model.lora.rank > 0",
         "rollout_copy": "rollout.precision=bf16 or a quantized one (fp8, mxfp4, nvfp4)",
+        "rollout_packed": "a quantized rollout.precision (not packed), or rollout.compile=true",
         "kv_cache": "a lower rollout.prompts_per_step, rollout.group_size or rollout.max_new_tokens",
         "activations": "a lower train.micro_batch_tokens or train.loss_memory_budget"
         + ("" if train.gradient_checkpointing else ", or train.gradient_checkpointing=true"),
