@@ -9,8 +9,10 @@ on the CPU, fp32 and bf16, same sampling settings everywhere (temperature 1, no 
 Engines: "old" = bitrl's rollout/engine.py at commit 1895635 (DynamicCache grown by concatenation, two host
 syncs per step, eager HF forward), loaded from git into a temporary module; "new" = bitrl's RolloutEngine
 (bitrl.rollout.generation; eager decode step); "new-compiled" = the same with rollout.compile=true (the
-decode step under torch.compile, one fixed shape); "hf" = model.generate with its default (dynamic) cache;
-"hf-static" = model.generate(cache_implementation="static") with the forward under torch.compile. Engines
+decode step under torch.compile, one fixed shape); "new-unpacked" = "new" without its packed products
+(`bitrl.kernels.packed_linear`: the feature-major fp32 step or the modules' own products); "hf" =
+model.generate with its default (dynamic) cache; "hf-static" =
+model.generate(cache_implementation="static") with the forward under torch.compile. Engines
 run interleaved, repetition by repetition, in ONE process, so ratios share the machine's load.
 
 Floors, timed in the same process after each repetition: "floor" = the products of the prefill and of every
@@ -218,7 +220,7 @@ def kv_read_bytes(model, prompts, new_tokens: int, dtype: torch.dtype) -> int:
 def run_engine(name, model, prompts, new_tokens, eos_id, pad_id, seed, old_engine):
     """Generated tokens of one rollout (timed by the caller)."""
     g = torch.Generator().manual_seed(seed)
-    if name in ("old", "new", "new-compiled"):
+    if name in ("old", "new", "new-compiled", "new-unpacked"):
         if name == "old":
             r = old_engine.generate(
                 model, prompts, max_new_tokens=new_tokens, eos_id=eos_id, pad_id=pad_id, generator=g
@@ -229,7 +231,12 @@ def run_engine(name, model, prompts, new_tokens, eos_id, pad_id, seed, old_engin
 
             sampling = Sampling(max_new_tokens=new_tokens, eos_id=eos_id, pad_id=pad_id)
             options = EngineOptions(compile=name == "new-compiled")
-            r = RolloutEngine(model, sampling, options).generate(prompts, generator=g)
+            engine = RolloutEngine(model, sampling, options)
+            if name == "new-unpacked":  # the same engine with its products as the modules run them
+                from bitrl.rollout.decoder import Decoder
+
+                engine.decoder = Decoder(model, packed=False)
+            r = engine.generate(prompts, generator=g)
         return int(r.response_mask.sum())
     from bitrl.rollout.batch import left_pad
 

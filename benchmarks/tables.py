@@ -135,7 +135,7 @@ def mib(b: float) -> str:
 # ------------------------------------------------------------------------------------------- rollout
 
 
-ROLLOUT_ENGINES = ("old", "new", "new-compiled", "hf", "hf-static")
+ROLLOUT_ENGINES = ("old", "new", "new-compiled", "new-unpacked", "hf", "hf-static")
 
 
 def _rollout_rows(name: str) -> list[list]:
@@ -152,7 +152,10 @@ def _rollout_rows(name: str) -> list[list]:
                 s["dtype"],
                 d["meta"].get("reps", "–"),
                 *(f"{v:.1f}" if v else "–" for v in tps.values()),
-                f"{s['new_over_old']:.2f}×" if "new_over_old" in s else "–",
+                *(
+                    f"{s[f'new_over_{e}']:.2f}×" if f"new_over_{e}" in s else "–"
+                    for e in ("old", "new-unpacked")
+                ),
                 f"{min(over_hf):.2f}×" if over_hf else "–",
                 *(
                     f"{s[f'{e}_fraction_of_floor']:.2f}" if f"{e}_fraction_of_floor" in s else "–"
@@ -164,14 +167,18 @@ def _rollout_rows(name: str) -> list[list]:
     return rows
 
 
-ROLLOUT_FILES = ("bench_rollout_floor_64x128.json", "bench_rollout_floor_avx2_fp32_64x128.json")
+ROLLOUT_FILES = (
+    "bench_rollout_floor_64x128.json",
+    "bench_rollout_packed_ab_64x128.json",
+    "bench_rollout_floor_avx2_fp32_64x128.json",
+)
 
 
 def table_rollout() -> str:
     rows = [r for n in ROLLOUT_FILES for r in _rollout_rows(n)]
-    head = ["CPU", "workload", "dtype", "reps", *ROLLOUT_ENGINES, "new / old", "new / best hf", "new / floor"]
-    head += ["hf / floor", "new / floor+kv"]
-    return md(head, rows, "llllrrrrrrrrrr") + source(*ROLLOUT_FILES)
+    head = ["CPU", "workload", "dtype", "reps", *ROLLOUT_ENGINES, "new / old", "new / unpacked"]
+    head += ["new / best hf", "new / floor", "hf / floor", "new / floor+kv"]
+    return md(head, rows, "llll" + "r" * 12) + source(*ROLLOUT_FILES)
 
 
 HEAD_FILES = ("bench_head.json", "bench_head_avx512_bf16.json")
@@ -1266,6 +1273,7 @@ DESCRIPTIONS = {
     "floor of their products, SmolLM2-135M, bf16 and fp32",
     "bench_rollout_floor_avx2_fp32_64x128.json": "the same in fp32 on a CPU without bf16 units (AVX2 only)",
     "bench_rollout_floor_packed_2reps_64x128.json": "the rollout table's run with 2 repetitions, before it",
+    "bench_rollout_packed_ab_64x128.json": "the engine with and without packed products, interleaved",
     "bench_rollout_floor_unpacked_64x128.json": "the same on the same CPU kind, the engine before packed "
     "products (commit e40343b)",
     "bench_head.json": "the LM head at a decode step's rows: torch's product against the weight-major blocks",

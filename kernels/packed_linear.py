@@ -15,8 +15,8 @@ the fp32 accumulator), which takes a decode step's MLP and residual adds out of 
 SmolLM2 rollout that was as fast as stacking gate and up and calling the host's silu * up (4 runs each,
 interleaved, bf16 and fp32), with fewer calls. The bits: bf16 the same as torch's product (both oneDNN, fp32
 accumulation); fp32 those of oneDNN's kernel, not MKL's (another order of the same sums: differences of a
-few ulps). The packed copy holds the weight's bytes once more, and is rebuilt when the weight changes
-(`PackedLinear.current`).
+few ulps). The packed copy holds the weight's bytes once more, and no longer stands for the weight once
+that changes (`PackedLinear.current`); the decoder packs once per rollout (`Decoder.packing`).
 
 Where: CPUs with AVX-512 (fp32) or bf16 units (bf16; without them oneDNN emulates bf16). The AVX2-only
 CPUs keep the weight-major form in fp32 (`bitrl.kernels.weight_major`): the packed form is unmeasured

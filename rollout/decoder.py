@@ -19,6 +19,7 @@ K/V per sample is small next to its decode).
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from functools import cache as memoize
 from functools import partial
 
@@ -282,7 +283,8 @@ class Decoder:
         # bf16), a forward without autograd runs every plain nn.Linear through them (bitrl.kernels.
         # packed_linear: 1.3-2.6x faster at 64 rows than x @ W.T): a layer's q, k, v stacked into one
         # product, silu(gate), the multiply by up and both residual adds fused into the products. The packed
-        # copies are kept and rebuilt when a weight changes.
+        # copies are made on first use, rebuilt when a weight changes, and freed when a rollout ends
+        # (`packing`).
         self.packed_products = packed and not aligned and use_packed_linear(self.dtype, self.device)
         self._packs: dict[tuple, object] = {}
         self.weight_major_layers = (
@@ -444,6 +446,16 @@ class Decoder:
         if packed is None:
             return [self._linear(m, x) for m in modules]
         return packed_linear(x, packed).split([m.out_features for m in modules], dim=-1)
+
+    @contextmanager
+    def packing(self):
+        """Within: the packed copies made on first use are kept; at the end they are freed. A rollout packs
+        once and leaves no second copy of its weights behind while the trainer runs (whose update changes
+        them anyway)."""
+        try:
+            yield self
+        finally:
+            self._packs.clear()
 
     def _packed(self, modules):
         """The packed product of `modules` (plain nn.Linear layers in the compute dtype), packed on first use

@@ -78,6 +78,10 @@ class RolloutEngine:
         """`generate` with explicit per-row sampling seeds [B] int64 and the sampling counter of each row's
         first response token first_counter [B] int64 (0 in `generate`; a response resumed at position i, as
         speculative reuse resumes one at its first rejection, counts from i)."""
+        with self.decoder.packing():  # the products packed once for this rollout, freed after it
+            return self._generate_rows(prompts, seeds, first_counter)
+
+    def _generate_rows(self, prompts, seeds, first_counter) -> Rollout:
         options, device = self.options, self.device
         p_ids, p_mask, row_of = distinct_prompts(prompts, self.sampling.pad_id, device)
         distinct = [p[m].tolist() for p, m in zip(p_ids, p_mask)]

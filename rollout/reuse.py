@@ -178,6 +178,30 @@ def generate_with_drafts(
     mode, or
     rows that were not rejected).
     """
+    with engine.decoder.packing():  # the products packed once for this rollout, freed after it
+        return _generate_with_drafts(
+            engine,
+            prompts,
+            drafts,
+            lenience=lenience,
+            mode=mode,
+            keep_topk=keep_topk,
+            generator=generator,
+            sample_ids=sample_ids,
+        )
+
+
+def _generate_with_drafts(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    drafts: list[Draft | None],
+    *,
+    lenience: float = 1.0,
+    mode: str = "spec-rl",
+    keep_topk: int = 0,
+    generator: torch.Generator | None = None,
+    sample_ids: torch.Tensor | None = None,
+) -> tuple[Rollout, ReuseStats, list[Draft]]:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     sampling, decoder, device = engine.sampling, engine.decoder, engine.device

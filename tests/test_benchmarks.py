@@ -235,3 +235,22 @@ def test_rollout_floor_times_each_product_in_the_decode_steps_form(monkeypatch):
     few = bench_rollout.floor_products(model, rows=4)  # few rows: x @ weight.T throughout
     assert all(p.func is bench_rollout._mm_t for p in few)
     assert bench_rollout.linear_products(model, rows=64, passes=1) > 0
+
+
+def test_rollout_bench_runs_the_engine_with_and_without_packed_products(monkeypatch):
+    """bench_rollout's "new-unpacked" engine: the same samples as "new" but through the modules' products."""
+    from conftest import TINY_QWEN, make_qwen
+
+    import bitrl.rollout.decoder as decoder
+    from bitrl.benchmarks import bench_rollout
+
+    monkeypatch.setattr(decoder, "use_packed_linear", lambda dtype, device: True)
+    model = make_qwen(**TINY_QWEN)
+    calls = []
+    real = decoder.packed_linear
+    monkeypatch.setattr(decoder, "packed_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompts = [[1, 5, 6], [1, 7]] * 8
+    assert bench_rollout.run_engine("new-unpacked", model, prompts, 4, -1, 0, 0, None) == 16 * 4
+    assert not calls
+    assert bench_rollout.run_engine("new", model, prompts, 4, -1, 0, 0, None) == 16 * 4
+    assert calls

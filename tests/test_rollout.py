@@ -453,6 +453,7 @@ def test_packed_decode_step_matches_the_plain_one_and_follows_weight_syncs(arch,
     counted = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731
     monkeypatch.setattr("bitrl.rollout.decoder.packed_linear", counted)
     a = packed.generate(prompts, generator=torch.Generator().manual_seed(4))
+    assert not packed.decoder._packs  # freed when the rollout ends
     layers = model.config.num_hidden_layers
     assert len(calls) >= 10 * (4 * layers + 1)  # every step: 4 products per layer, the head
     calls.clear()

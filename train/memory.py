@@ -229,8 +229,8 @@ def plan_memory(
         parts["rollout_copy"] = other * model_bytes + shape.linear_params * QUANT_BYTES[precision] + cached
     else:
         parts["rollout_copy"] = shape.params * rollout_bytes
-    # An eager CPU decoder that packs its products (bitrl.kernels.packed_linear) keeps every float linear
-    # weight of the copy, the LM head's included, a second time in the blocked layout.
+    # An eager CPU decoder that packs its products (bitrl.kernels.packed_linear) holds every float linear
+    # weight of the copy, the LM head's included, a second time in the blocked layout while it rolls out.
     name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(precision, cfg.model.dtype)
     rollout_float = precision not in QUANT_BYTES and not (lora.rank and lora.base_precision != "full")
     compiled = rollout.compile is True or (rollout.compile == "auto" and device_type == "cuda")
