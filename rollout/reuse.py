@@ -35,6 +35,7 @@ ordinary `Rollout`.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
@@ -149,7 +150,20 @@ class ReuseStats:
         return out | self.extra
 
 
+def _packed_per_call(generate):
+    """`generate(engine, ...)` with the engine's products packed once for the call, freed after it
+    (`Decoder.packing`)."""
+
+    @functools.wraps(generate)
+    def run(engine, *args, **kwargs):
+        with engine.decoder.packing():
+            return generate(engine, *args, **kwargs)
+
+    return run
+
+
 @torch.no_grad()
+@_packed_per_call
 def generate_with_drafts(
     engine: RolloutEngine,
     prompts: list[list[int]],
@@ -178,30 +192,6 @@ def generate_with_drafts(
     mode, or
     rows that were not rejected).
     """
-    with engine.decoder.packing():  # the products packed once for this rollout, freed after it
-        return _generate_with_drafts(
-            engine,
-            prompts,
-            drafts,
-            lenience=lenience,
-            mode=mode,
-            keep_topk=keep_topk,
-            generator=generator,
-            sample_ids=sample_ids,
-        )
-
-
-def _generate_with_drafts(
-    engine: RolloutEngine,
-    prompts: list[list[int]],
-    drafts: list[Draft | None],
-    *,
-    lenience: float = 1.0,
-    mode: str = "spec-rl",
-    keep_topk: int = 0,
-    generator: torch.Generator | None = None,
-    sample_ids: torch.Tensor | None = None,
-) -> tuple[Rollout, ReuseStats, list[Draft]]:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     sampling, decoder, device = engine.sampling, engine.decoder, engine.device

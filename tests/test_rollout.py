@@ -424,6 +424,25 @@ def test_host_norms_and_mlp_of_a_cpu_decode_step_match_the_modules(tiny_qwen, dt
     torch.testing.assert_close(a.logprobs[same], b.logprobs[same], atol=tol, rtol=tol)
 
 
+def _tiny_llama_family(arch: str):
+    """A tiny Llama (head_dim 16) or Qwen2 (biased q, k, v) from the shared test config."""
+    from conftest import TINY_QWEN, make_qwen
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if arch == "llama":
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(**{**TINY_QWEN, "head_dim": 16})).eval()
+    return make_qwen(**TINY_QWEN)
+
+
+def _assert_mostly_same_samples(a, b, tol=1e-5):
+    """Two rollouts of one model and seed through two forms of its products: at least 90% of the rows
+    sample the same tokens, and those rows' log-probs agree within tol."""
+    same = (a.response_ids == b.response_ids).all(-1)
+    assert same.float().mean() >= 0.9
+    torch.testing.assert_close(a.logprobs[same], b.logprobs[same], atol=tol, rtol=tol)
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="packed products need oneDNN")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_packed_decode_step_matches_the_plain_one_and_follows_weight_syncs(arch, monkeypatch):
@@ -431,17 +450,10 @@ def test_packed_decode_step_matches_the_plain_one_and_follows_weight_syncs(arch,
     MLP's steps and the residual adds fused; Qwen2's biases included): the samples and log-probs of the
     modules' own products up to their rounding; a weight synced in place is packed again before the next
     rollout samples from it."""
-    from conftest import TINY_QWEN, make_qwen
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from bitrl.kernels import packed_linear
 
     monkeypatch.setattr("bitrl.rollout.decoder.use_packed_linear", lambda dtype, device: True)
-    if arch == "llama":
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**{**TINY_QWEN, "head_dim": 16})).eval()
-    else:
-        model = make_qwen(**TINY_QWEN)
+    model = _tiny_llama_family(arch)
     sampling = Sampling(max_new_tokens=10, eos_id=-1, pad_id=0)
     prompts = _prompts() * 8
     packed = RolloutEngine(model, sampling)
@@ -459,18 +471,14 @@ def test_packed_decode_step_matches_the_plain_one_and_follows_weight_syncs(arch,
     calls.clear()
     b = plain.generate(prompts, generator=torch.Generator().manual_seed(4))
     assert not calls
-    same = (a.response_ids == b.response_ids).all(-1)
-    assert same.float().mean() >= 0.9
-    torch.testing.assert_close(a.logprobs[same], b.logprobs[same], atol=1e-5, rtol=1e-5)
+    _assert_mostly_same_samples(a, b)
 
     with torch.no_grad():  # a sync in place, as the trainer's weights reach the rollout copy
         for p in model.parameters():
             p.mul_(1.5)
     a = packed.generate(prompts, generator=torch.Generator().manual_seed(5))
     b = plain.generate(prompts, generator=torch.Generator().manual_seed(5))
-    same = (a.response_ids == b.response_ids).all(-1)
-    assert same.float().mean() >= 0.9
-    torch.testing.assert_close(a.logprobs[same], b.logprobs[same], atol=1e-5, rtol=1e-5)
+    _assert_mostly_same_samples(a, b)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -478,20 +486,14 @@ def test_weight_major_decode_step_matches_the_row_major_one(arch, monkeypatch):
     """At 16-256 rows an fp32 CPU decode step keeps its activations feature-major and runs every product
     weight-major (Qwen2's biases included): the same samples and log-probs as the row-major step (the same
     bits where the CPU's two product forms have them), and a model it cannot run that way is not."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import TINY_QWEN, make_qwen
 
     from bitrl.kernels.host_ext import load_host_library
     from bitrl.rollout.decoder import Decoder
 
     if load_host_library() is None:
         pytest.skip("the host kernels need a C++ compiler")
-    from conftest import TINY_QWEN, make_qwen
-
-    if arch == "llama":
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**{**TINY_QWEN, "head_dim": 16})).eval()
-    else:
-        model = make_qwen(**TINY_QWEN)
+    model = _tiny_llama_family(arch)
     sampling = Sampling(max_new_tokens=12, eos_id=-1, pad_id=0)
     prompts = _prompts() * 8  # 24 rows decoding at once
     monkeypatch.setattr("bitrl.rollout.decoder.use_packed_linear", lambda dtype, device: False)
@@ -507,7 +509,5 @@ def test_weight_major_decode_step_matches_the_row_major_one(arch, monkeypatch):
     calls.clear()
     b = plain.generate(prompts, generator=torch.Generator().manual_seed(4))
     assert not calls
-    same = (a.response_ids == b.response_ids).all(-1)
-    assert same.float().mean() >= 0.9
-    torch.testing.assert_close(a.logprobs[same], b.logprobs[same], atol=1e-5, rtol=1e-5)
+    _assert_mostly_same_samples(a, b)
     assert not Decoder(make_qwen(**TINY_QWEN).bfloat16()).weight_major_layers  # fp32 only
