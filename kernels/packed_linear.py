@@ -18,9 +18,10 @@ accumulation); fp32 those of oneDNN's kernel, not MKL's (another order of the sa
 few ulps). The packed copy holds the weight's bytes once more, and no longer stands for the weight once
 that changes (`PackedLinear.current`); the decoder packs once per rollout (`Decoder.packing`).
 
-Where: CPUs with AVX-512 (fp32) or bf16 units (bf16; without them oneDNN emulates bf16). The AVX2-only
-CPUs keep the weight-major form in fp32 (`bitrl.kernels.weight_major`): the packed form is unmeasured
-there. No autograd: a forward for generation.
+Where: CPUs with AVX-512 (fp32) or bf16 units (bf16; without them oneDNN emulates bf16). Measured on the
+AVX-512 BF16 EPYC only: the Intel Xeons with AMX take it unmeasured (oneDNN's own target, AMX for bf16),
+the AVX2-only CPUs keep the weight-major form in fp32 (`bitrl.kernels.weight_major`). No autograd: a
+forward for generation.
 """
 
 from __future__ import annotations
