@@ -138,29 +138,19 @@ def floor_products(model, rows: int) -> list:
     head = model.get_output_embeddings()
     dtype = linears[0].weight.dtype
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
-    if Decoder(model).packed_products:  # each layer's q, k, v stacked, as the decoder runs them
-        groups = [
-            group
-            for layer in model.model.layers
-            for group in (
-                (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                (layer.self_attn.o_proj,),
-                (layer.mlp.gate_proj,),
-                (layer.mlp.up_proj,),
-                (layer.mlp.down_proj,),
-            )
-        ] + [(head,)]
+    decoder = Decoder(model)
+    if decoder.packed_products:
         return [
             partial(
                 packed_linear,
                 inputs[g[0].in_features],
                 pack_linear([m.weight for m in g], [m.bias for m in g]),
             )
-            for g in groups
+            for g in decoder.packed_groups()
         ]
     inputs_t = {k: x.t().contiguous() for k, x in inputs.items()}
     layers_weight_major = (
-        Decoder(model).weight_major_layers and WEIGHT_MAJOR_MIN_ROWS <= rows <= WEIGHT_MAJOR_MAX_ROWS
+        decoder.weight_major_layers and WEIGHT_MAJOR_MIN_ROWS <= rows <= WEIGHT_MAJOR_MAX_ROWS
     )
     products = []
     with torch.no_grad():  # as an engine decodes (the choice of form depends on autograd)

@@ -447,6 +447,16 @@ class Decoder:
             return [self._linear(m, x) for m in modules]
         return packed_linear(x, packed).split([m.out_features for m in modules], dim=-1)
 
+    def packed_groups(self) -> list[tuple]:
+        """The products a packed forward runs, in its order: per layer q, k and v stacked, o, gate, up and
+        down; then the LM head (what a floor of the packed step times)."""
+        groups = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            groups += [(attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,)]
+            groups += [(mlp.gate_proj,), (mlp.up_proj,), (mlp.down_proj,)]
+        return groups + [(self.head,)]
+
     @contextmanager
     def packing(self):
         """Within: the packed copies made on first use are kept; at the end they are freed. A rollout packs
